@@ -1,0 +1,42 @@
+# ferry — everything a fresh machine needs, then the demo, the tests, lint and benchmarks.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Debian packages the lab and tests need (installed with apt-get when missing; needs root).
+DEBS  := rabbitmq-server haproxy
+
+.PHONY: setup system-packages demo test lint bench clean
+
+setup: $(STAMP) system-packages
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+system-packages:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v java >/dev/null || missing="$$missing openjdk-17-jre-headless"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo.sh
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+bench: setup
+	@for b in $(wildcard bench/*.py); do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+
+clean:
+	-$(VENV)/bin/ferry lab down
+	rm -rf .ferry-lab .pytest_cache .ruff_cache

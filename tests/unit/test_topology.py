@@ -1,0 +1,136 @@
+"""Topology files: valid ones load; each kind of bad one gives one line naming file, line and key."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from ferry.cli import app
+from ferry.errors import ConfigError, NotFound
+from ferry.topology import parse_topology
+
+VALID = textwrap.dedent(
+    """\
+    version: 1
+    sites:
+      lab:
+        clusters:
+          east:
+            kind: nats
+            credentials: {user: app, password_env: FERRY_T_APP}
+            system_credentials: {user: sys, password_env: FERRY_T_SYS}
+            brokers:
+              - name: east-1
+                url: nats://127.0.0.1:4222
+                monitor_url: http://127.0.0.1:8222
+      dr:
+        clusters:
+          ltm:
+            kind: rabbitmq
+            credentials: {user: ferry, password_env: FERRY_T_LTM}
+            brokers:
+              - name: ltm-1
+                url: amqp://127.0.0.1:5672
+                management_url: http://127.0.0.1:15672
+    """
+)
+
+
+def test_valid_file_loads_and_resolves_names() -> None:
+    topo = parse_topology(VALID, "t.yaml")
+    assert topo.nats("east").brokers[0].name == "east-1"
+    assert topo.rabbitmq("ltm").brokers[0].management_url == "http://127.0.0.1:15672"
+    assert topo.site_of("ltm") == "dr"
+    assert topo.cluster("dr") is topo.cluster("ltm")  # a one-cluster site answers to its name
+    with pytest.raises(NotFound, match="unknown cluster 'nope'"):
+        topo.cluster("nope")
+    with pytest.raises(ConfigError, match="is rabbitmq, not nats"):
+        topo.nats("ltm")
+
+
+def _error(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_topology(text, "t.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            "    kind: nats\n",
+            "    kind: nats\n        colour: blue\n",
+            "t.yaml:7: sites.lab.clusters.east.colour: unknown key",
+        ),
+        (
+            "url: nats://127.0.0.1:4222",
+            "url: nats//127.0.0.1:4222",
+            "t.yaml:11: sites.lab.clusters.east.brokers[0].url: invalid URL",
+        ),
+        ("url: nats://127.0.0.1:4222", "url: http://127.0.0.1:4222", "scheme must be one of nats, tls"),
+        (
+            "url: amqp://127.0.0.1:5672",
+            "url: amqp://127.0.0.1",
+            "t.yaml:20: sites.dr.clusters.ltm.brokers[0].url: invalid URL 'amqp://127.0.0.1': no port",
+        ),
+        ("url: amqp://127.0.0.1:5672", "url: amqp://u:hunter2@127.0.0.1:5672", "URL carries a password"),
+        ("kind: rabbitmq", "kind: kafka", "t.yaml:16: sites.dr.clusters.ltm.kind: unknown kind 'kafka'"),
+        ("  dr:\n", "  lab:\n", "t.yaml:13: sites.lab: duplicate key"),
+        (
+            "name: ltm-1",
+            "name: east-1",
+            "t.yaml:19: sites.dr.clusters.ltm.brokers[0].name: duplicate broker name 'east-1'",
+        ),
+        ("{user: ferry, password_env: FERRY_T_LTM}", "{user: ferry, password_env: X, password_file: /y}", "not both"),
+        (
+            "        management_url: http://127.0.0.1:15672\n",
+            "",
+            "t.yaml:19: sites.dr.clusters.ltm.brokers[0].management_url: required key is missing",
+        ),
+    ],
+)
+def test_bad_files_name_line_and_key(old: str, new: str, expected: str) -> None:
+    assert old in VALID
+    message = _error(VALID.replace(old, new))
+    assert expected in message
+    assert "hunter2" not in message
+
+
+def test_duplicate_cluster_across_sites() -> None:
+    text = VALID.replace("      ltm:\n", "      east:\n")
+    assert _error(text).startswith("t.yaml:16: sites.dr.clusters.east: duplicate cluster name (also in site 'lab')")
+
+
+def test_invalid_yaml_names_line() -> None:
+    assert _error("sites:\n  lab: [\n").startswith("t.yaml:3: invalid YAML")
+
+
+def test_missing_env_var_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_APP", "x")
+    monkeypatch.delenv("FERRY_T_SYS", raising=False)
+    monkeypatch.setenv("FERRY_T_LTM", "y")
+    topo = parse_topology(VALID)
+    assert topo.credential_problems() == [
+        "sites.lab.clusters.east.system_credentials: environment variable FERRY_T_SYS is not set"
+    ]
+    with pytest.raises(ConfigError, match="FERRY_T_SYS is not set"):
+        topo.nats("east").system_credentials.password()  # type: ignore[union-attr]
+
+
+def test_cli_check_exit_codes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, value in (("FERRY_T_APP", "a"), ("FERRY_T_SYS", "s"), ("FERRY_T_LTM", "l")):
+        monkeypatch.setenv(var, value)
+    good = tmp_path / "good.yaml"
+    good.write_text(VALID)
+    result = CliRunner().invoke(app, ["topology", "check", str(good), "--no-probe"])
+    assert result.exit_code == 0, result.output
+    assert "2 sites, 2 clusters, 2 brokers" in result.output
+
+    monkeypatch.delenv("FERRY_T_LTM")
+    result = CliRunner().invoke(app, ["topology", "check", str(good), "--no-probe"])
+    assert result.exit_code == 1
+    assert "FERRY_T_LTM is not set" in result.output
