@@ -31,8 +31,8 @@ test: setup
 	$(VENV)/bin/pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 
 bench: setup
 	@for b in $(wildcard bench/*.py); do echo "== $$b"; $(PY) $$b --quick || exit 1; done
