@@ -16,22 +16,23 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ferry.errors import FerryError
 
+_plain = {"rich_markup_mode": None}  # usage errors as plain "Error: ..." lines, not boxes
 app = typer.Typer(
+    **_plain,
     name="ferry",
     help="Move message workloads between NATS JetStream and RabbitMQ clusters without losing a message.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-topology_app = typer.Typer(help="Validate and probe topology files.", no_args_is_help=True)
-lab_app = typer.Typer(help="Real brokers on 127.0.0.1 for demos, tests and benchmarks.", no_args_is_help=True)
+topology_app = typer.Typer(**_plain, help="Validate and probe topology files.", no_args_is_help=True)
+lab_app = typer.Typer(**_plain, help="Real brokers on 127.0.0.1 for demos, tests and benchmarks.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
 app.add_typer(lab_app, name="lab")
 
@@ -211,15 +212,10 @@ def main() -> None:
     for name in ("aiormq", "aio_pika", "nats", "py4j", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        app(standalone_mode=False)
+        app()  # typer reports usage errors itself (exit 2)
     except FerryError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {exc}", highlight=False)
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
