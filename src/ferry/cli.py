@@ -8,11 +8,13 @@ Errors a user can cause end as one line on stderr and a non-zero exit code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -152,6 +154,129 @@ def topology_smoke(
     )
 
 
+# -- copy ---------------------------------------------------------------------------------
+
+SparkMaster = Annotated[str | None, typer.Option("--spark-master", help="Spark master URL (default local[*]).")]
+SparkRemote = Annotated[str | None, typer.Option("--spark-remote", help="Spark Connect URL sc://host:port.")]
+
+
+@app.command("copy")
+def copy_cmd(
+    source: Annotated[
+        str, typer.Argument(help="jetstream://CLUSTER/STREAM, rabbitmq://CLUSTER/VHOST/QUEUE, parquet:///DIR")
+    ],
+    destination: Annotated[str, typer.Argument(help="Same forms; a RabbitMQ queue may be * (same names).")],
+    mode: Annotated[
+        str, typer.Option(help="JetStream->JetStream: ordered (exact order, resumable) or parallel.")
+    ] = "ordered",
+    partitions: Annotated[
+        int | None, typer.Option(min=1, help="Read/write in N parallel ranges (implies parallel).")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(min=1, help="Messages per second, all tasks together.")] = None,
+    create: Annotated[bool, typer.Option(help="Create a missing destination stream/queue like the source.")] = False,
+    subject_prefix: Annotated[str, typer.Option(help="Prefix added to every subject written to JetStream.")] = "",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    spark_master: SparkMaster = None,
+    spark_remote: SparkRemote = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Copy messages between streams, queues and Parquet, as a Spark job."""
+    from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
+    from ferry.pipeline.spark import get_session
+
+    topo = _topology(topology)
+    opts = CopyOptions(
+        mode=mode, partitions=partitions, rate=rate, create=create and not dry_run, subject_prefix=subject_prefix
+    )
+    plan = plan_copy(topo, source, destination, opts)
+    if dry_run:
+        if as_json:
+            print_json({"dry_run": True, "plan": plan.as_dict()})
+        else:
+            _print_plan(plan.as_dict())
+        return
+    if not as_json:
+        _print_plan(plan.as_dict())
+    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry copy")
+    with _progress(plan.messages, "copying", enabled=not as_json) as advance:
+        report = run_copy(topo, plan, spark, progress=advance)
+    if as_json:
+        print_json(report.as_dict())
+        return
+    out.print(
+        f"read {report.read:,}, stored {report.stored:,}, already present {report.duplicates:,}, "
+        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB in {report.seconds:.1f}s ({report.rate:,.0f} msg/s)"
+    )
+    if report.queues:
+        table = Table("vhost", "queue", "before", "moved", "left", "redelivered", "seconds")
+        for r in report.queues:
+            table.add_row(
+                r["vhost"],
+                r["queue"],
+                f"{r['before']:,}",
+                f"{r['moved']:,}",
+                f"{r['left']:,}",
+                f"{r['redelivered']:,}",
+                f"{r['seconds']:.1f}",
+            )
+        out.print(table)
+    if report.possible_duplicates:
+        out.print(
+            f"[yellow]{report.possible_duplicates:,} messages were redelivered after an interrupted run and "
+            "may be duplicates at the destination (they carry x-ferry-transfer; `ferry audit` counts them)[/]"
+        )
+
+
+def _print_plan(plan: dict[str, Any]) -> None:
+    out.print(
+        f"[bold]{plan['source']}[/] -> [bold]{plan['destination']}[/]: {plan['messages']:,} messages "
+        f"({plan['bytes'] / 1e6:.1f} MB), engine {plan['engine']}, mode {plan['mode']}"
+    )
+    for x in plan["queues"]:
+        out.print(
+            f"  queue {x['vhost']}/{x['queue']}: {x['ready']:,} ready"
+            + (f" -> {x['target']}" if x.get("target") else "")
+        )
+    for note in plan["notes"]:
+        out.print(f"  note: {note}")
+
+
+@contextlib.contextmanager
+def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar (messages, rate, ETA) fed with absolute counts."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if not enabled:
+        yield lambda _: None
+        return
+    columns = [
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
+    t0 = time.monotonic()
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(what, total=total or None, rate="")
+
+        def advance(done: int) -> None:
+            rate = done / max(1e-6, time.monotonic() - t0)
+            bar.update(task, completed=done, rate=f"{rate:,.0f} msg/s")
+
+        yield advance
+
+
 # -- lab ---------------------------------------------------------------------------------
 
 
@@ -219,3 +344,7 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

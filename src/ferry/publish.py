@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 
 from ferry.errors import FerryError
 
-__all__ = ["Ack", "PublishError", "PublishStats", "Publisher", "publish"]
+__all__ = ["Ack", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
 
 MSG_ID = "Nats-Msg-Id"
 _NO_RESPONDERS = "503"
@@ -258,3 +258,21 @@ async def publish(
     if ack.error:
         raise PublishError(f"publish to {subject} (msg id {msg_id}) failed: {ack.error}", subject=subject)
     return ack
+
+
+class Pacer:
+    """Paces a loop to `rate` iterations per second (None or 0: no limit)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.interval = 1.0 / rate if rate else 0.0
+        self.next = time.monotonic()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        self.next += self.interval
+        delay = self.next - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -1.0:
+            self.next = time.monotonic()  # fell far behind: don't burst to catch up

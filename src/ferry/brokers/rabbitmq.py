@@ -114,6 +114,12 @@ async def amqp_connect(
         return await asyncio.wait_for(connect(**kwargs), timeout + 1)
     except aiormq.exceptions.ProbableAuthenticationError:
         raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
+    except aiormq.exceptions.InvalidFrameError as exc:
+        # the broker closed the handshake: most often the vhost is missing or not permitted
+        reply = getattr(exc.args[0] if exc.args else None, "reply_text", None) or _close_reply(exc)
+        if reply and "vhost" in reply:
+            raise AuthError(f"{broker.name}: {reply.split(' - ', 1)[-1]}") from None
+        raise BrokerUnavailable(f"{broker.name}: AMQP handshake refused ({reply or exc})") from None
     except (aiormq.exceptions.AMQPConnectionError, OSError, TimeoutError) as exc:
         text = str(exc)
         if "access" in text.lower() and "vhost" in text.lower():
@@ -121,6 +127,11 @@ async def amqp_connect(
         raise BrokerUnavailable(
             f"{broker.name}: AMQP {parts.hostname}:{parts.port} not answering ({type(exc).__name__})"
         ) from None
+
+
+def _close_reply(exc: BaseException) -> str | None:
+    frame = getattr(exc, "frame", None) or next((a for a in exc.args if hasattr(a, "reply_text")), None)
+    return getattr(frame, "reply_text", None)
 
 
 async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:

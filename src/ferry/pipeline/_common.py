@@ -1,0 +1,106 @@
+"""Helpers shared by ferry's Spark data sources (private)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pyspark.sql.datasource import WriterCommitMessage
+
+from ferry.errors import ConfigError
+from ferry.topology import NatsCluster, RabbitCluster, load_topology
+
+T = TypeVar("T")
+
+
+def cluster_json(options: dict[str, str], kind: type[T]) -> str:
+    """The cluster a data source talks to, as JSON (credential *references* only).
+
+    Options: ``cluster`` is either that JSON (what ferry's jobs pass) or a cluster
+    name resolved through ``topology`` (a file path; default: the usual lookup).
+    """
+    value = options.get("cluster")
+    if not value:
+        raise ConfigError("data source option 'cluster' is required")
+    if value.lstrip().startswith("{"):
+        return value
+    cluster = load_topology(options.get("topology")).cluster(value)
+    if not isinstance(cluster, kind):
+        raise ConfigError(f"cluster {value!r} is {cluster.kind}, not {kind.__name__}")
+    return cluster.model_dump_json()
+
+
+def nats_cluster(text: str) -> NatsCluster:
+    return NatsCluster.model_validate_json(text)
+
+
+def rabbit_cluster(text: str) -> RabbitCluster:
+    return RabbitCluster.model_validate_json(text)
+
+
+def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
+    """Drive an async generator from synchronous code (Spark's read/write calls)."""
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.run_until_complete(agen.aclose())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def opt_int(options: dict[str, str], key: str, default: int | None = None) -> int | None:
+    value = options.get(key)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"option {key!r} must be an integer, got {value!r}") from None
+
+
+def opt_bool(options: dict[str, str], key: str, default: bool = False) -> bool:
+    value = options.get(key)
+    if value in (None, ""):
+        return default
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"option {key!r} must be true or false, got {value!r}")
+
+
+@dataclass
+class WriteCounts(WriterCommitMessage):
+    """What one write task did; the driver sums these."""
+
+    rows: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    retries: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __add__(self, other: WriteCounts) -> WriteCounts:
+        return WriteCounts(
+            self.rows + other.rows,
+            self.stored + other.stored,
+            self.duplicates + other.duplicates,
+            self.retries + other.retries,
+            self.bytes + other.bytes,
+            (self.errors + other.errors)[:20],
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,555 @@
+"""`ferry copy SRC DST`: the general copy job on Spark.
+
+Plan (on the driver, nothing changes): resolve names, check that sources exist
+and count them, check the destination, decide the mode and the resume point.
+Execute (on Spark), one of:
+
+- stream or Parquet -> JetStream / RabbitMQ / Parquet: read with the jetstream
+  data source (or Spark's Parquet reader) and write each partition with
+  ``mapInArrow`` so every task's counts come back to the driver;
+- RabbitMQ queues -> anything: one mover task per queue (``move_queue``).
+
+JetStream -> JetStream modes:
+
+- ``ordered`` (default): one writer; every publish expects its predecessor as
+  the destination's last message, so sequence order is kept exactly; a rerun
+  resumes after the source sequence of the destination's last message
+  (``Ferry-Source-Seq``).
+- ``parallel`` (``--partitions N``): N sequence ranges copied at once; order is
+  kept within each range only. A rerun first reads which source sequences the
+  destination already holds and copies only the others (an anti-join), so it
+  stores nothing twice even after the duplicate window has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ferry.brokers import nats as bnats
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.errors import ConfigError, FerryError, NotFound, UsageError
+from ferry.pipeline import jetstream as js
+from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
+from ferry.pipeline.uris import Endpoint, parse_uri
+from ferry.topology import Topology
+
+__all__ = ["CopyOptions", "CopyPlan", "CopyReport", "plan_copy", "run_copy", "spark_error"]
+
+_COUNTS_DDL = "rows long, stored long, duplicates long, retries long, bytes long, errors array<string>"
+_MOVE_DDL = (
+    "vhost string, queue string, before long, moved long, bytes long, redelivered long, left long, "
+    "seconds double, errors array<string>"
+)
+
+
+@dataclass
+class CopyOptions:
+    mode: str = "ordered"  # ordered | parallel (JetStream -> JetStream)
+    partitions: int | None = None
+    rate: float | None = None  # messages per second, all tasks together
+    create: bool = False  # create a missing destination stream or queue
+    subject_prefix: str = ""
+    window: int = 512
+
+
+@dataclass
+class CopyPlan:
+    source: Endpoint
+    destination: Endpoint
+    options: CopyOptions
+    engine: str  # "stream" (rows through Spark) or "mover" (RabbitMQ queue tasks)
+    messages: int = 0
+    bytes: int = 0
+    queues: list[dict[str, Any]] = field(default_factory=list)  # vhost, queue, ready, target
+    resume_from: int | None = None  # ordered: first source seq still to copy
+    anti_join: bool = False  # parallel: destination already holds part of this source
+    transfer_id: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": str(self.source),
+            "destination": str(self.destination),
+            "engine": self.engine,
+            "mode": self.options.mode,
+            "partitions": self.options.partitions,
+            "messages": self.messages,
+            "bytes": self.bytes,
+            "queues": self.queues,
+            "resume_from": self.resume_from,
+            "anti_join": self.anti_join,
+            "transfer_id": self.transfer_id,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class CopyReport:
+    plan: dict[str, Any]
+    read: int = 0
+    stored: int = 0
+    duplicates: int = 0  # already at the destination (duplicate acks): not stored twice
+    possible_duplicates: int = 0  # RabbitMQ: redelivered after an interrupted run
+    retries: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    queues: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.read / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rate": round(self.rate)}
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+
+def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> CopyPlan:
+    source, destination = parse_uri(src), parse_uri(dst)
+    if options.mode not in ("ordered", "parallel"):
+        raise UsageError(f"--mode must be ordered or parallel, got {options.mode!r}")
+    if options.partitions and options.partitions > 1:
+        options.mode = "parallel"
+    engine = "mover" if source.kind == "rabbitmq" else "stream"
+    plan = CopyPlan(source, destination, options, engine, transfer_id=uuid.uuid4().hex[:12])
+    if source.kind == "rabbitmq" and (source.queue is None):
+        raise ConfigError(f"{src!r}: name a queue, or * for every queue of the vhost")
+    if (
+        destination.kind == "rabbitmq"
+        and engine == "stream"
+        and destination.queue in (None, "*")
+        and not destination.exchange
+    ):
+        raise ConfigError(f"{dst!r}: name the destination queue, or ?exchange=NAME")
+    if destination.kind == "jetstream" and destination.subject:
+        raise ConfigError(f"{dst!r}: ?subject= is a read filter; use --subject-prefix to map subjects")
+    if source.kind == "parquet" and not Path(source.path or "").exists():
+        raise NotFound(f"{src!r}: directory {source.path} does not exist")
+    if (
+        destination.kind == "parquet"
+        and Path(destination.path or "").exists()
+        and any(Path(destination.path).iterdir())
+    ):
+        raise ConfigError(f"{dst!r}: directory {destination.path} is not empty")
+    asyncio.run(_plan_async(topology, plan))
+    return plan
+
+
+async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
+    src, dst = plan.source, plan.destination
+    if src.kind == "jetstream":
+        cluster = topology.nats(src.cluster or "")
+        states = await js.stream_states(cluster, [src.stream or ""], src.subject, src.cluster or "")
+        st = states[src.stream or ""]
+        plan.messages = st["messages"]
+        plan.bytes = int(st["bytes"] * (st["messages"] / max(1, st["all_messages"])))
+        if src.start_seq or src.end_seq:
+            plan.notes.append("a sequence range was given: the message count is the whole stream's")
+    elif src.kind == "rabbitmq":
+        plan.queues = await _source_queues(topology, src)
+        plan.messages = sum(x["ready"] for x in plan.queues)
+        plan.bytes = sum(x["bytes"] for x in plan.queues)
+        await _check_access(topology, src.cluster or "", {x["vhost"] for x in plan.queues})
+    if dst.kind == "jetstream":
+        await _plan_stream_destination(topology, plan)
+    elif dst.kind == "rabbitmq":
+        await _plan_queue_destination(topology, plan)
+        await _check_access(topology, dst.cluster or "", {x["target_vhost"] for x in plan.queues} or {dst.vhost or "/"})
+
+
+async def _check_access(topology: Topology, cluster_name: str, vhosts: set[str]) -> None:
+    """Open (and close) an AMQP connection per vhost: a missing permission fails now, not mid-copy."""
+    cluster = topology.rabbitmq(cluster_name)
+    for vhost in sorted(vhosts):
+        conn = await amqp_connect(cluster, vhost=vhost)
+        await conn.close()
+
+
+async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, Any]]:
+    cluster = topology.rabbitmq(src.cluster or "")
+    async with Management(cluster, name=src.cluster or "") as m:
+        vhosts = [v["name"] for v in await m.get("/vhosts")] if src.vhost == "*" else [src.vhost or "/"]
+        out = []
+        for vhost in vhosts:
+            if src.queue == "*":
+                listed = await m.get(f"/queues/{q(vhost)}", ok404=True)
+                if listed is None:
+                    raise NotFound(f"{src}: vhost {vhost!r} does not exist")
+            else:
+                one = await m.get(f"/queues/{q(vhost)}/{q(src.queue or '')}", ok404=True)
+                if one is None:
+                    raise NotFound(f"{src}: queue {src.queue!r} not found in vhost {vhost!r}")
+                listed = [one]
+            for item in listed:
+                if item.get("exclusive_consumer_tag") or item.get("exclusive"):
+                    continue
+                out.append(
+                    {
+                        "vhost": vhost,
+                        "queue": item["name"],
+                        "ready": int(item.get("messages_ready", 0)),
+                        "bytes": int(item.get("message_bytes_ready", 0)),
+                        "type": item.get("type"),
+                        "arguments": item.get("arguments") or {},
+                        "durable": item.get("durable", True),
+                    }
+                )
+    return out
+
+
+async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
+    dst, opts = plan.destination, plan.options
+    cluster = topology.nats(dst.cluster or "")
+    async with bnats.session(cluster, name=dst.cluster or "") as nc:
+        jsm = nc.jsm()
+        try:
+            info = await jsm.stream_info(dst.stream or "")
+        except Exception as exc:
+            if "not found" not in str(exc).lower():
+                raise
+            if not opts.create:
+                raise NotFound(f"{dst}: stream {dst.stream!r} does not exist (pass --create to create it)") from None
+            await _create_stream(topology, plan, jsm)
+            plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
+            return
+        if plan.source.kind != "jetstream" or info.state.messages == 0:
+            return
+        source_name = f"{plan.source.cluster}/{plan.source.stream}"
+        if opts.mode == "ordered":
+            last = await jsm.get_msg(dst.stream or "", info.state.last_seq)
+            headers = last.headers or {}
+            if headers.get(js.SOURCE_HDR) == source_name:
+                plan.resume_from = int(headers[js.SOURCE_SEQ_HDR]) + 1
+                plan.notes.append(f"resuming after source sequence {plan.resume_from - 1} (the destination's last)")
+        else:
+            plan.anti_join = True
+            plan.notes.append("the destination is not empty: copying only what it does not hold yet")
+
+
+async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> None:
+    from nats.js.api import Placement
+
+    src, dst = plan.source, plan.destination
+    if src.kind != "jetstream":
+        raise UsageError("--create for a stream needs a JetStream source to copy its configuration from")
+    async with bnats.session(topology.nats(src.cluster or ""), name=src.cluster or "") as snc:
+        config = (await snc.jsm().stream_info(src.stream or "")).config
+    config.name = dst.stream
+    config.subjects = [plan.options.subject_prefix + s for s in (config.subjects or [])]
+    config.placement = Placement(cluster=dst.cluster) if _same_system(topology, src, dst) else None
+    config.mirror, config.sources = None, None
+    await jsm.add_stream(config)
+
+
+def _same_system(topology: Topology, a: Endpoint, b: Endpoint) -> bool:
+    return topology.site_of(a.cluster or "") == topology.site_of(b.cluster or "")
+
+
+async def _plan_queue_destination(topology: Topology, plan: CopyPlan) -> None:
+    """Resolve each source queue's target (vhost ``*`` and queue ``*`` keep the source's names)."""
+    dst = plan.destination
+    cluster = topology.rabbitmq(dst.cluster or "")
+    async with Management(cluster, name=dst.cluster or "") as m:
+        sources = plan.queues or [{"vhost": dst.vhost, "queue": dst.queue, "arguments": {}, "durable": True}]
+        checked: set[str] = set()
+        for item in sources:
+            vhost = item["vhost"] if dst.vhost == "*" else (dst.vhost or "/")
+            item["target_vhost"] = vhost
+            if vhost not in checked:
+                if await m.get(f"/vhosts/{q(vhost)}", ok404=True) is None:
+                    raise NotFound(f"{dst}: vhost {vhost!r} does not exist")
+                checked.add(vhost)
+            if dst.exchange:
+                if await m.get(f"/exchanges/{q(vhost)}/{q(dst.exchange)}", ok404=True) is None:
+                    raise NotFound(f"{dst}: exchange {dst.exchange!r} does not exist in vhost {vhost!r}")
+                continue
+            target = dst.queue if dst.queue not in (None, "*") else item["queue"]
+            item["target"] = target
+            if await m.get(f"/queues/{q(vhost)}/{q(target or '')}", ok404=True) is None:
+                if not plan.options.create:
+                    raise NotFound(
+                        f"{dst}: queue {target!r} does not exist in vhost {vhost!r} "
+                        "(pass --create to create it like the source)"
+                    )
+                await m.put(
+                    f"/queues/{q(vhost)}/{q(target or '')}",
+                    {"durable": item.get("durable", True), "arguments": item.get("arguments", {})},
+                )
+                plan.notes.append(f"created queue {target} in {dst.cluster} vhost {vhost}")
+
+
+# -- execution -------------------------------------------------------------------------------
+
+
+def run_copy(
+    topology: Topology, plan: CopyPlan, spark: Any, progress: Callable[[int], None] | None = None
+) -> CopyReport:
+    report = CopyReport(plan.as_dict())
+    t0 = time.monotonic()
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(topology, plan, progress, stop), daemon=True) if progress else None
+    if watcher:
+        watcher.start()
+    try:
+        if plan.engine == "mover":
+            _run_mover(topology, plan, spark, report)
+        else:
+            _run_stream(topology, plan, spark, report)
+    except Exception as exc:
+        raise spark_error(exc) from None
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join(timeout=5)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int) -> dict[str, Any]:
+    rate = plan.options.rate / tasks if plan.options.rate else None
+    if dst.kind == "jetstream":
+        return {
+            "kind": "jetstream",
+            "cfg": js.WriteConfig(
+                cluster=topology.nats(dst.cluster or "").model_dump_json(),
+                name=dst.cluster or "",
+                stream=dst.stream,
+                window=plan.options.window,
+                ordered=plan.options.mode == "ordered",
+                subject_prefix=plan.options.subject_prefix,
+                rate=rate,
+            ),
+        }
+    from ferry.pipeline import rabbitmq as rmq
+
+    return {
+        "kind": "rabbitmq",
+        "cfg": rmq.WriteConfig(
+            cluster=topology.rabbitmq(dst.cluster or "").model_dump_json(),
+            vhost=dst.vhost or "/",
+            queue=dst.queue if not dst.exchange else None,
+            exchange=dst.exchange,
+            transfer_id=plan.transfer_id,
+            window=plan.options.window,
+            rate=rate,
+        ),
+    }
+
+
+def _writer_fn(spec: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        if spec["kind"] == "jetstream":
+            counts = asyncio.run(js.write_batches(spec["cfg"], batches))
+        else:
+            from ferry.pipeline.rabbitmq import write_rows
+
+            counts = asyncio.run(write_rows(spec["cfg"], batches))
+        yield pa.RecordBatch.from_pylist([counts.as_dict()])
+
+    return write
+
+
+def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyReport) -> None:
+    src, dst, opts = plan.source, plan.destination, plan.options
+    if src.kind == "jetstream":
+        reader = (
+            spark.read.format("jetstream")
+            .option("cluster", topology.nats(src.cluster or "").model_dump_json())
+            .option("cluster_name", src.cluster)
+            .option("stream", src.stream)
+        )
+        if src.subject:
+            reader = reader.option("subject", src.subject)
+        start = max(filter(None, (src.start_seq, plan.resume_from)), default=None)
+        if start:
+            reader = reader.option("start_seq", str(start))
+        if src.end_seq:
+            reader = reader.option("end_seq", str(src.end_seq))
+        if opts.partitions:
+            reader = reader.option("partitions", str(opts.partitions))
+        df = reader.load()
+    else:
+        from ferry.pipeline.schema import SPARK_DDL
+
+        df = spark.read.schema(SPARK_DDL).parquet(src.path)
+    if plan.anti_join:
+        df = _without_copied(topology, plan, spark, df)
+    if dst.kind == "parquet":
+        df.write.mode("errorifexists").parquet(dst.path)
+        written = spark.read.parquet(dst.path).count()
+        report.read = report.stored = written
+        return
+    if dst.kind == "jetstream" and opts.mode == "ordered":
+        df = df.coalesce(1)
+    tasks = df.rdd.getNumPartitions() if not _is_connect(spark) else (opts.partitions or 1)
+    spec = _write_options(topology, dst, plan, max(1, tasks))
+    rows = df.mapInArrow(_writer_fn(spec), _COUNTS_DDL).collect()
+    for r in rows:
+        report.read += r["rows"]
+        report.stored += r["stored"]
+        report.duplicates += r["duplicates"]
+        report.retries += r["retries"]
+        report.bytes += r["bytes"]
+
+
+def _without_copied(topology: Topology, plan: CopyPlan, spark: Any, df: Any) -> Any:
+    """Source rows whose sequence the destination does not hold yet (for this source)."""
+    from pyspark.sql import functions as F
+
+    dst = plan.destination
+    source_name = f"{plan.source.cluster}/{plan.source.stream}"
+    held = (
+        spark.read.format("jetstream")
+        .option("cluster", topology.nats(dst.cluster or "").model_dump_json())
+        .option("cluster_name", dst.cluster)
+        .option("stream", dst.stream)
+        .load()
+        .where(F.col("headers")[js.SOURCE_HDR] == source_name)
+        .select(F.col("headers")[js.SOURCE_SEQ_HDR].cast("long").alias("copied_seq"))
+    )
+    return df.join(held, df.source_seq == held.copied_seq, "left_anti").sortWithinPartitions("source_seq")
+
+
+def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyReport) -> None:
+    src, dst = plan.source, plan.destination
+    cluster_json = topology.rabbitmq(src.cluster or "").model_dump_json()
+    if dst.kind == "rabbitmq":
+        sink: dict[str, Any] = {
+            "kind": "rabbitmq",
+            "cluster": topology.rabbitmq(dst.cluster or "").model_dump_json(),
+            "exchange": dst.exchange,
+        }
+    elif dst.kind == "jetstream":
+        sink = {
+            "kind": "jetstream",
+            "cluster": topology.nats(dst.cluster or "").model_dump_json(),
+            "name": dst.cluster,
+            "stream": dst.stream,
+        }
+    else:
+        sink = {"kind": "parquet", "path": str(Path(dst.path or "").absolute())}
+    work = [x for x in plan.queues if x["ready"] > 0]
+    rate = plan.options.rate / max(1, min(len(work), _cores(spark))) if plan.options.rate else None
+    tasks = [
+        MoveTask(
+            cluster_json,
+            src.cluster or "",
+            x["vhost"],
+            x["queue"],
+            {**sink, "queue": x.get("target"), "vhost": x["target_vhost"]} if dst.kind == "rabbitmq" else sink,
+            plan.transfer_id,
+            window=2000 if dst.kind != "parquet" else 20000,
+            broker=i,
+            rate=rate,
+        )
+        for i, x in enumerate(work)
+    ]
+    if not tasks:
+        return
+
+    def move(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for i in batch.column(0).to_pylist():
+                result = asyncio.run(move_queue(tasks[i]))
+                yield pa.RecordBatch.from_pylist([asdict(result)])
+
+    rows = spark.range(0, len(tasks), 1, len(tasks)).mapInArrow(move, _MOVE_DDL).collect()
+    for r in rows:
+        result = MoveResult(**r.asDict())
+        report.queues.append(asdict(result))
+        report.read += result.moved
+        report.stored += result.moved
+        report.bytes += result.bytes
+        report.possible_duplicates += result.redelivered
+
+
+def _cores(spark: Any) -> int:
+    with contextlib.suppress(Exception):
+        return int(spark.sparkContext.defaultParallelism)
+    return 2
+
+
+def _is_connect(spark: Any) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+# -- progress: what the brokers say, polled on the driver ---------------------------------------------
+
+
+def _watch(topology: Topology, plan: CopyPlan, progress: Callable[[int], None], stop: threading.Event) -> None:
+    observe = _observer(topology, plan)
+    if observe is None:
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        base = loop.run_until_complete(observe())
+        while not stop.wait(0.5):
+            with contextlib.suppress(Exception):
+                progress(max(0, loop.run_until_complete(observe()) - base))
+    finally:
+        loop.close()
+
+
+def _observer(topology: Topology, plan: CopyPlan) -> Callable[[], Any] | None:
+    src, dst = plan.source, plan.destination
+    if dst.kind == "jetstream":
+        cluster = topology.nats(dst.cluster or "")
+
+        async def stored() -> int:
+            async with bnats.session(cluster, name=dst.cluster or "") as nc:
+                return int((await nc.jsm().stream_info(dst.stream or "")).state.messages)
+
+        return stored
+    if src.kind == "rabbitmq":
+        cluster = topology.rabbitmq(src.cluster or "")
+
+        async def moved() -> int:
+            async with Management(cluster, name=src.cluster or "") as m:
+                left = 0
+                for x in plan.queues:
+                    item = await m.get(f"/queues/{q(x['vhost'])}/{q(x['queue'])}?columns=messages_ready")
+                    left += int(item.get("messages_ready", 0))
+            return -left
+
+        return moved
+    return None
+
+
+# -- errors from executors ----------------------------------------------------------------------
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$")
+
+
+def spark_error(exc: Exception) -> Exception:
+    """An error raised in a Spark task reaches the driver as text: recover its one line."""
+    if isinstance(exc, FerryError):
+        return exc
+    from ferry import errors
+
+    found = None
+    for line in str(exc).splitlines():
+        match = _EXC_LINE.match(line.strip())
+        if match and not match.group(1).startswith(("org.apache", "java.", "py4j", "pyspark")):
+            found = match  # the last Python exception line is the root cause
+    if found:
+        name, message = found.group(1), found.group(2)
+        cls = getattr(errors, name.removeprefix("ferry.errors."), None) if name.startswith("ferry.errors.") else None
+        if cls is not None:
+            return cls(message)
+        return FerryError(f"a Spark task failed: {name.rsplit('.', 1)[-1]}: {message[:300]}")
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return FerryError(f"Spark job failed: {first[:300]}")

@@ -1,0 +1,621 @@
+"""The ``jetstream`` data source: read and write JetStream streams from Spark.
+
+Name: ``jetstream``
+
+Options (all strings):
+
+- ``cluster``: a cluster name from the topology (with ``topology`` = file path), or
+  the cluster as JSON (what ferry's jobs pass). Credentials are references
+  (environment variable or file) resolved where the task runs.
+- read: ``stream`` (one name, or several comma-separated for streaming),
+  ``subject`` (filter, wildcards allowed), ``start_seq`` / ``end_seq``
+  (inclusive; default: the whole stream as it is when the job is planned),
+  ``partitions`` (sequence ranges read in parallel, default 1 per 200,000
+  messages, at most 16), ``batch_size`` (rows per Arrow batch, 10,000),
+  ``fetch`` (messages per pull request; default about 8 MB worth, at most 5,000).
+- streaming read: ``starting`` = ``earliest`` | ``latest`` | JSON
+  ``{"STREAM": last_seq_already_processed}``; ``max_messages_per_batch``.
+- write: ``stream`` (destination; published with ``Nats-Expected-Stream``),
+  ``window`` (in-flight publishes, 512), ``ack_timeout`` (seconds, 2),
+  ``give_up_after`` (seconds, 120), ``ordered`` (``true``: keep sequence order
+  with ``Nats-Expected-Last-Sequence``; needs a single writer task and exclusive
+  writes to the destination), ``origin_headers`` (``true``: add
+  ``Ferry-Source`` and ``Ferry-Source-Seq``), ``subject_prefix``.
+
+Headers: reads drop the publish-time directives ``Nats-Expected-*`` (the
+server stores them with the message, but they are not message data). Writes
+add ``Nats-Msg-Id`` when the message had none, and ``Ferry-Source`` /
+``Ferry-Source-Seq`` unless ``origin_headers`` is false.
+
+Guarantees:
+
+- Reads are replayable: a partition is a fixed sequence range, read again it
+  returns the same messages (unless retention removed some meanwhile).
+- Writes are exactly-once in effect within the destination's duplicate window:
+  every message carries ``Nats-Msg-Id`` (its own, else ``<source>:<seq>``), an
+  ack that does not come within ``ack_timeout`` is re-sent under the same id,
+  and a publish that still fails fails the task (nothing is dropped silently).
+  Ordered mode is exactly-once and order-preserving regardless of the window:
+  a message can only be stored right after its predecessor.
+
+Example::
+
+    spark.read.format("jetstream").option("cluster", "east").option("stream", "ORDERS").load() \\
+        .write.format("jetstream").option("cluster", "west").option("stream", "ORDERS_COPY") \\
+        .mode("append").save()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+
+from ferry.brokers import nats as bnats
+from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.pipeline._common import WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
+from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
+from ferry.publish import MSG_ID, Ack, Pacer, Publisher
+from ferry.topology import NatsCluster
+
+__all__ = [
+    "JetStreamDataSource",
+    "ReadConfig",
+    "WriteConfig",
+    "plan_ranges",
+    "read_range",
+    "stream_states",
+    "write_batches",
+]
+
+SOURCE_HDR = "Ferry-Source"
+SOURCE_SEQ_HDR = "Ferry-Source-Seq"
+_EXPECTED = (
+    "Nats-Expected-Stream",
+    "Nats-Expected-Last-Sequence",
+    "Nats-Expected-Last-Subject-Sequence",
+    "Nats-Expected-Last-Msg-Id",
+)
+_WRONG_LAST_SEQ = 10071
+
+
+# -- configuration (parsed once, on the driver) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadConfig:
+    cluster: str  # JSON
+    name: str  # cluster name, for the `source` column
+    streams: tuple[str, ...]
+    subject: str | None = None
+    start_seq: int | None = None
+    end_seq: int | None = None
+    partitions: int | None = None
+    batch_size: int = 10_000
+    fetch: int | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> ReadConfig:
+        streams = tuple(s.strip() for s in (options.get("stream") or "").split(",") if s.strip())
+        if not streams:
+            raise ConfigError("jetstream: option 'stream' is required")
+        return cls(
+            cluster=cluster_json(options, NatsCluster),
+            name=options.get("cluster_name") or _name(options),
+            streams=streams,
+            subject=options.get("subject") or None,
+            start_seq=opt_int(options, "start_seq"),
+            end_seq=opt_int(options, "end_seq"),
+            partitions=opt_int(options, "partitions"),
+            batch_size=opt_int(options, "batch_size", 10_000) or 10_000,
+            fetch=opt_int(options, "fetch"),
+        )
+
+    def nats(self) -> NatsCluster:
+        return nats_cluster(self.cluster)
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    cluster: str
+    name: str
+    stream: str | None = None
+    window: int = 512
+    ack_timeout: float = 2.0
+    give_up_after: float = 120.0
+    ordered: bool = False
+    origin_headers: bool = True
+    subject_prefix: str = ""
+    rate: float | None = None  # messages per second for this task
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> WriteConfig:
+        try:
+            ack_timeout = float(options.get("ack_timeout") or 2.0)
+            give_up_after = float(options.get("give_up_after") or 120.0)
+        except ValueError:
+            raise ConfigError("jetstream: ack_timeout and give_up_after are seconds") from None
+        return cls(
+            cluster=cluster_json(options, NatsCluster),
+            name=options.get("cluster_name") or _name(options),
+            stream=options.get("stream") or None,
+            window=opt_int(options, "window", 512) or 512,
+            ack_timeout=ack_timeout,
+            give_up_after=give_up_after,
+            ordered=opt_bool(options, "ordered"),
+            origin_headers=opt_bool(options, "origin_headers", True),
+            subject_prefix=options.get("subject_prefix") or "",
+            rate=float(options["rate"]) if options.get("rate") else None,
+        )
+
+    def nats(self) -> NatsCluster:
+        return nats_cluster(self.cluster)
+
+
+def _name(options: dict[str, str]) -> str:
+    value = options.get("cluster", "")
+    return "nats" if value.lstrip().startswith("{") else value
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range(InputPartition):
+    stream: str
+    lo: int
+    hi: int  # inclusive
+    fetch: int = 1000  # messages per pull request
+
+
+async def stream_states(
+    cluster: NatsCluster, streams: Iterable[str], subject: str | None = None, name: str = ""
+) -> dict[str, dict[str, int]]:
+    """first_seq, last_seq and messages (matching `subject` when given) per stream."""
+    out = {}
+    async with bnats.session(cluster, name=name) as nc:
+        jsm = nc.jsm()
+        for stream in streams:
+            try:
+                info = await jsm.stream_info(stream, subjects_filter=subject)
+            except NotFoundError:
+                raise NotFound(f"stream {stream!r} not found in cluster {name or '?'}", stream=stream) from None
+            st = info.state
+            count = sum((st.subjects or {}).values()) if subject else st.messages
+            out[stream] = {
+                "first_seq": st.first_seq,
+                "last_seq": st.last_seq,
+                "messages": count,
+                "bytes": st.bytes,
+                "all_messages": st.messages,
+            }
+    return out
+
+
+def _fetch_size(st: dict[str, int], given: int | None) -> int:
+    avg = st.get("bytes", 0) / max(1, st.get("all_messages", 0)) or 100
+    return given or int(max(10, min(5000, 8_000_000 // max(avg, 1))))
+
+
+def split(stream: str, lo: int, hi: int, parts: int, fetch: int = 1000) -> list[Range]:
+    """Split [lo, hi] into at most `parts` contiguous ranges."""
+    if hi < lo:
+        return []
+    parts = max(1, min(parts, hi - lo + 1))
+    size, extra = divmod(hi - lo + 1, parts)
+    ranges, start = [], lo
+    for i in range(parts):
+        end = start + size - 1 + (1 if i < extra else 0)
+        ranges.append(Range(stream, start, end, fetch))
+        start = end + 1
+    return ranges
+
+
+def plan_ranges(cfg: ReadConfig) -> list[Range]:
+    states = asyncio.run(stream_states(cfg.nats(), cfg.streams, cfg.subject, cfg.name))
+    ranges: list[Range] = []
+    for stream, st in states.items():
+        lo = max(cfg.start_seq or st["first_seq"], st["first_seq"], 1)
+        hi = min(cfg.end_seq or st["last_seq"], st["last_seq"])
+        parts = cfg.partitions or min(16, 1 + st["messages"] // 200_000)
+        ranges += split(stream, lo, hi, parts, _fetch_size(st, cfg.fetch))
+    return ranges
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def _ack_fields(reply: str) -> tuple[int, int, int]:
+    """(stream sequence, timestamp ns, pending) from a JetStream ack subject (v1 or v2 form)."""
+    t = reply.split(".")
+    if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(t[5]), int(t[7]), int(t[8])
+    # $JS.ACK.<domain>.<acc hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
+    return int(t[7]), int(t[9]), int(t[10])
+
+
+class _Puller:
+    """Pull requests on one inbox subscription; messages collected by a callback.
+
+    nats-py's ``fetch`` spends most of its time in per-message ``wait_for``; a
+    callback that appends to a list and one event per request is several times
+    faster. Each request asks for up to ``batch`` messages with ``no_wait``: the
+    server sends what it has, then a status message (404/408) if it had fewer.
+    After a timeout the caller discards the puller (a late message would land in
+    the next request; readers also skip sequences they have already passed).
+    """
+
+    def __init__(self, nc: Any, stream: str, consumer: str) -> None:
+        self.nc = nc
+        self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.inbox = nc.new_inbox()
+        self.sub: Any = None
+        self.got: list[Any] = []
+        self.want = 0
+        self.done = asyncio.Event()
+
+    async def start(self) -> None:
+        self.sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+
+    async def _on_msg(self, msg: Any) -> None:
+        if not msg.reply:  # a status message: no more for this request
+            self.done.set()
+            return
+        self.got.append(msg)
+        if len(self.got) >= self.want:
+            self.done.set()
+
+    async def pull(self, batch: int, timeout: float = 5.0) -> list[Any]:
+        self.got, self.want = [], batch
+        self.done.clear()
+        body = b'{"batch":%d,"no_wait":true}' % batch
+        await self.nc.publish(self.subject, body, reply=self.inbox)
+        try:
+            await asyncio.wait_for(self.done.wait(), timeout)
+        except TimeoutError:
+            if not self.got:
+                raise
+        return self.got
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+
+
+async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBatch]:
+    """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
+    source = f"{cfg.name}/{part.stream}"
+    builder = BatchBuilder()
+    next_seq = part.lo
+    deadline = time.monotonic() + 120
+    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
+        jsm = nc.jsm(timeout=10)
+        done = False
+        while not done and next_seq <= part.hi:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=next_seq,
+                ack_policy=AckPolicy.NONE,
+                filter_subject=cfg.subject,
+                inactive_threshold=60.0,
+                mem_storage=True,
+                num_replicas=1,
+            )
+            try:
+                info = await jsm.add_consumer(part.stream, config)
+            except (ServiceUnavailableError, NatsTimeout, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise FerryError(f"jetstream: cannot create a reader on {source} (no leader?)") from None
+                await asyncio.sleep(0.5)
+                continue
+            except NotFoundError:
+                raise NotFound(f"stream {part.stream!r} not found in cluster {cfg.name}", stream=part.stream) from None
+            if info.num_pending == 0:
+                break
+            puller = _Puller(nc, part.stream, info.name)
+            await puller.start()
+            try:
+                while not done:
+                    try:
+                        msgs = await puller.pull(part.fetch)
+                    except TimeoutError:
+                        if time.monotonic() > deadline:
+                            raise FerryError(f"jetstream: {source} stopped answering at seq {next_seq}") from None
+                        break  # recreate the consumer from next_seq
+                    if not msgs:
+                        break  # nothing now: the consumer may have been lost; recreate and re-check pending
+                    deadline = time.monotonic() + 120
+                    for m in msgs:
+                        seq, ts_ns, pending = _ack_fields(m.reply)
+                        if seq < next_seq:
+                            continue
+                        if seq > part.hi:
+                            done = True
+                            break
+                        headers = m.headers
+                        if headers:
+                            for directive in _EXPECTED:  # publish-time checks, not message data
+                                headers.pop(directive, None)
+                        builder.add(
+                            m.subject,
+                            m.data,
+                            headers,
+                            headers.get(MSG_ID) if headers else None,
+                            source,
+                            seq,
+                            ts_ns // 1000,
+                        )
+                        next_seq = seq + 1
+                        if pending == 0 or seq == part.hi:
+                            done = True
+                            break
+                    if len(builder) >= cfg.batch_size:
+                        yield builder.flush()
+            finally:
+                await puller.stop()
+                with contextlib.suppress(Exception):
+                    await jsm.delete_consumer(part.stream, info.name)
+    if len(builder):
+        yield builder.flush()
+
+
+class JetStreamReader(DataSourceReader):
+    def __init__(self, cfg: ReadConfig) -> None:
+        self.cfg = cfg
+
+    def partitions(self) -> list[Range]:
+        return plan_ranges(self.cfg) or [Range(self.cfg.streams[0], 1, 0)]
+
+    def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        if partition.hi < partition.lo:
+            return iter(())
+        return iterate(read_range(self.cfg, partition))
+
+
+class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets are {stream: last sequence processed}."""
+
+    def __init__(self, cfg: ReadConfig, starting: str, max_per_batch: int | None, parts: int) -> None:
+        self.cfg = cfg
+        self.starting = starting
+        self.max_per_batch = max_per_batch
+        self.parts = parts
+        self.target: dict[str, int] | None = None
+
+    def _states(self) -> dict[str, dict[str, int]]:
+        return asyncio.run(stream_states(self.cfg.nats(), self.cfg.streams, None, self.cfg.name))
+
+    def initialOffset(self) -> dict[str, int]:
+        import json
+
+        states = self._states()
+        if self.starting == "earliest":
+            return {s: max(0, st["first_seq"] - 1) for s, st in states.items()}
+        if self.starting == "latest":
+            return {s: st["last_seq"] for s, st in states.items()}
+        try:
+            given = json.loads(self.starting)
+        except ValueError:
+            raise ConfigError("jetstream: 'starting' must be earliest, latest or a JSON object") from None
+        return {s: int(given.get(s, max(0, st["first_seq"] - 1))) for s, st in states.items()}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = {s: st["last_seq"] for s, st in self._states().items()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_per_batch) if self.max_per_batch else ReadAllAvailable()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        latest = self.target or {s: st["last_seq"] for s, st in self._states().items()}
+        end = {}
+        for stream in self.cfg.streams:
+            lo = int(start.get(stream, 0))
+            hi = max(lo, latest.get(stream, lo))
+            if isinstance(limit, ReadMaxRows):
+                hi = min(hi, lo + max(1, limit.max_rows // len(self.cfg.streams)))
+            end[stream] = hi
+        return end
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[Range]:
+        ranges: list[Range] = []
+        for stream in self.cfg.streams:
+            lo, hi = int(start.get(stream, 0)) + 1, int(end.get(stream, 0))
+            ranges += split(stream, lo, hi, self.parts, self.cfg.fetch or 1000)
+        return ranges
+
+    def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        return iterate(read_range(self.cfg, partition))
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to do: the stream keeps its messages; offsets live in Spark's checkpoint."""
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, ...]]:
+    cols = [
+        batch.column(n).to_pylist() if n in batch.schema.names else [None] * batch.num_rows
+        for n in ("subject", "payload", "headers", "msg_id", "source", "source_seq")
+    ]
+    return zip(*cols, strict=True)
+
+
+async def write_batches(cfg: WriteConfig, batches: Iterable[pa.RecordBatch]) -> WriteCounts:
+    """Publish every row of `batches`; raise if any message could not be stored."""
+    counts = WriteCounts()
+    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
+        if cfg.ordered:
+            await _write_ordered(nc, cfg, batches, counts)
+        else:
+            pub = Publisher(nc, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
+            pacer = Pacer(cfg.rate)
+            async with pub:
+                for batch in batches:
+                    for row in _rows(batch):
+                        await pacer.wait()
+                        subject, payload, headers, msg_id = _message(cfg, row)
+                        counts.rows += 1
+                        counts.bytes += len(payload)
+                        await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
+            counts.stored, counts.duplicates = pub.stats.stored, pub.stats.duplicates
+            counts.retries, counts.errors = pub.stats.retries, pub.stats.errors[:20]
+            if pub.stats.failed:
+                raise FerryError(
+                    f"jetstream write to {cfg.name}/{cfg.stream or '*'}: {pub.stats.failed} of {counts.rows} "
+                    f"messages not stored, first: {pub.stats.errors[0] if pub.stats.errors else '?'}"
+                )
+    return counts
+
+
+def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str], str]:
+    subject, payload, headers, msg_id, source, seq = row
+    hdrs = {k: v for k, v in (headers or []) if k not in _EXPECTED and k != MSG_ID}
+    if cfg.origin_headers and source is not None and seq is not None:
+        hdrs[SOURCE_HDR] = source
+        hdrs[SOURCE_SEQ_HDR] = str(seq)
+    if cfg.stream:
+        hdrs["Nats-Expected-Stream"] = cfg.stream
+    return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
+
+
+async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Iterable[pa.RecordBatch], counts: WriteCounts) -> None:
+    """Pipelined publishes, each expecting its predecessor as the stream's last message.
+
+    A failure (timeout, leader change, another writer) stops the pipeline; the
+    stream's last sequence then says exactly which messages are stored, and
+    publishing resumes right after them.
+    """
+    if not cfg.stream:
+        raise ConfigError("jetstream: ordered writes need the destination 'stream' option")
+    jsm = nc.jsm(timeout=10)
+
+    async def last_seq() -> int:
+        return int((await jsm.stream_info(cfg.stream)).state.last_seq)
+
+    pending: list[tuple[str, bytes, dict[str, str], str]] = []  # unconfirmed, in order
+    base = await last_seq()  # pending[0] expects `base`
+    failures: list[Ack] = []
+
+    stalled = 0
+    pacer = Pacer(cfg.rate)
+
+    async def drain() -> None:
+        nonlocal base, pending, stalled
+        while pending:
+            failures.clear()
+            pub = Publisher(
+                nc,
+                window=cfg.window,
+                ack_timeout=cfg.ack_timeout,
+                give_up_after=cfg.give_up_after,
+                on_ack=lambda a: failures.append(a) if a.error else None,
+            )
+            async with pub:
+                for i, (subject, payload, hdrs, msg_id) in enumerate(pending):
+                    if failures:
+                        break
+                    await pacer.wait()
+                    await pub.publish(
+                        subject, payload, headers={**hdrs, "Nats-Expected-Last-Sequence": str(base + i)}, msg_id=msg_id
+                    )
+            counts.retries += pub.stats.retries
+            now = await last_seq()
+            stored = now - base
+            if stored and 0 < stored <= len(pending):
+                last = await jsm.get_msg(cfg.stream, now)
+                if (last.headers or {}).get(MSG_ID) != pending[stored - 1][3]:
+                    stored = -1
+            if stored < 0 or stored > len(pending):
+                raise FerryError(
+                    f"jetstream ordered write to {cfg.stream}: the stream changed under the copy "
+                    f"(last seq {now}, expected {base}..{base + len(pending)}); another writer?"
+                )
+            counts.stored += stored
+            pending, base = pending[stored:], now
+            stalled = 0 if stored else stalled + 1
+            bad = [a for a in failures if a.err_code != _WRONG_LAST_SEQ]
+            if pending and stored == 0 and (bad or stalled >= 10):
+                reason = bad[0].error if bad else "no progress after 10 attempts"
+                raise FerryError(f"jetstream ordered write to {cfg.stream}: {reason}")
+
+    for batch in batches:
+        for row in _rows(batch):
+            message = _message(cfg, row)
+            counts.rows += 1
+            counts.bytes += len(message[1])
+            pending.append(message)
+            if len(pending) >= 10 * cfg.window:
+                await drain()
+    await drain()
+
+
+class JetStreamWriter(DataSourceArrowWriter):
+    def __init__(self, cfg: WriteConfig) -> None:
+        self.cfg = cfg
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCounts:
+        return asyncio.run(write_batches(self.cfg, iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Every message was acked by JetStream before its task returned."""
+
+
+class JetStreamStreamWriter(DataSourceStreamArrowWriter):
+    def __init__(self, cfg: WriteConfig) -> None:
+        self.cfg = cfg
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCounts:
+        return asyncio.run(write_batches(self.cfg, iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Every message was acked by JetStream before its task returned."""
+
+
+class JetStreamDataSource(DataSource):
+    """Spark data source ``jetstream`` (see the module docstring)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "jetstream"
+
+    def schema(self) -> str:
+        return SPARK_DDL
+
+    def reader(self, schema: Any) -> JetStreamReader:
+        return JetStreamReader(ReadConfig.from_options(dict(self.options)))
+
+    def streamReader(self, schema: Any) -> JetStreamStreamReader:
+        options = dict(self.options)
+        return JetStreamStreamReader(
+            ReadConfig.from_options(options),
+            options.get("starting", "earliest"),
+            opt_int(options, "max_messages_per_batch"),
+            opt_int(options, "partitions", 1) or 1,
+        )
+
+    def writer(self, schema: Any, overwrite: bool) -> JetStreamWriter:
+        if overwrite:
+            raise ConfigError("jetstream: overwrite is not supported; use mode('append')")
+        return JetStreamWriter(WriteConfig.from_options(dict(self.options)))
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> JetStreamStreamWriter:
+        return JetStreamStreamWriter(WriteConfig.from_options(dict(self.options)))

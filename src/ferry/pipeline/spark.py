@@ -1,0 +1,76 @@
+"""The Spark session every ferry job runs in.
+
+- local (default): ``local[*]`` on this machine, with offline-safe settings
+  (loopback only, no UI, executors run this very interpreter);
+- ``master="spark://host:7077"`` (or yarn, k8s): a Spark cluster;
+- ``remote="sc://host:15002"``: a Spark Connect server.
+
+Executors import ``ferry`` by name (data sources are pickled by reference), so
+on a cluster or Connect server ferry must be installed in the executors'
+Python (``pip install ferry-mq``); the topology's credentials must be readable
+there too (the same environment variables or secret files).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ferry.errors import ConfigError
+
+__all__ = ["get_session", "register"]
+
+_LOCAL_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "8",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.worker.reuse": "true",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.driver.memory": "2g",
+    "spark.sql.sources.partitionOverwriteMode": "dynamic",
+    "spark.log.level": "FATAL",
+    # a data source's read() that raises is a failed task; don't retry silently
+    "spark.task.maxFailures": "1",
+}
+
+
+def get_session(master: str | None = None, remote: str | None = None, app_name: str = "ferry", **conf: Any) -> Any:
+    """A SparkSession with ferry's data sources registered."""
+    from pyspark.sql import SparkSession
+
+    if master and remote:
+        raise ConfigError("give --spark-master or --spark-remote, not both")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if remote:
+        if not remote.startswith("sc://"):
+            raise ConfigError(f"--spark-remote must be an sc:// URL, got {remote!r}")
+        builder = SparkSession.builder.remote(remote).appName(app_name)
+    else:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = SparkSession.builder.master(master or "local[*]").appName(app_name)
+        log4j = Path(__file__).with_name("log4j2.properties")
+        quiet = {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"}
+        for key, value in {**_LOCAL_CONF, **quiet, **conf}.items():
+            builder = builder.config(key, value)
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:  # the JVM failed to start or the remote is unreachable
+        where = remote or master or "local[*]"
+        raise ConfigError(f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}") from None
+    register(spark)
+    return spark
+
+
+def register(spark: Any) -> None:
+    """Register ferry's Python data sources on a session (idempotent)."""
+    from ferry.pipeline.jetstream import JetStreamDataSource
+    from ferry.pipeline.rabbitmq import RabbitMQDataSource
+
+    for source in (JetStreamDataSource, RabbitMQDataSource):
+        spark.dataSource.register(source)

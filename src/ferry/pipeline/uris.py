@@ -1,0 +1,101 @@
+"""Endpoint URIs for `ferry copy` and friends.
+
+- ``jetstream://CLUSTER/STREAM[?subject=FILTER&start_seq=N&end_seq=M]``
+- ``rabbitmq://CLUSTER/VHOST/QUEUE``: VHOST and QUEUE URL-encoded (``%2F`` is
+  the default vhost ``/``); QUEUE ``*`` is every queue of the vhost, VHOST ``*``
+  every vhost. As a destination, QUEUE may be omitted or ``*`` (same names as
+  the source), or ``?exchange=NAME`` publishes to an exchange instead.
+- ``parquet:///absolute/dir`` or ``parquet://relative/dir``
+
+Names resolve through the topology file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ferry.errors import ConfigError
+
+__all__ = ["Endpoint", "parse_uri"]
+
+_KNOWN_QUERY = {
+    "jetstream": {"subject", "start_seq", "end_seq"},
+    "rabbitmq": {"exchange"},
+    "parquet": set(),
+}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    kind: str  # jetstream | rabbitmq | parquet
+    uri: str
+    cluster: str | None = None
+    stream: str | None = None
+    subject: str | None = None
+    start_seq: int | None = None
+    end_seq: int | None = None
+    vhost: str | None = None
+    queue: str | None = None  # None or "*" = every queue / same names
+    exchange: str | None = None
+    path: str | None = None
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+def parse_uri(uri: str) -> Endpoint:
+    parts = urlsplit(uri)
+    kind = parts.scheme
+    if kind not in _KNOWN_QUERY:
+        raise ConfigError(
+            f"{uri!r}: unknown scheme {kind + '://' if kind else '(none)'}; use jetstream://, rabbitmq:// or parquet://"
+        )
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = set(query) - _KNOWN_QUERY[kind]
+    if unknown:
+        raise ConfigError(
+            f"{uri!r}: unknown option {sorted(unknown)[0]!r} (known: {', '.join(sorted(_KNOWN_QUERY[kind])) or 'none'})"
+        )
+    if kind == "parquet":
+        path = (parts.netloc + parts.path) if parts.netloc else parts.path
+        if not path:
+            raise ConfigError(f"{uri!r}: no directory given (parquet:///absolute/dir)")
+        return Endpoint(kind, uri, path=unquote(path))
+    if not parts.netloc:
+        raise ConfigError(f"{uri!r}: no cluster name ({kind}://CLUSTER/...)")
+    segments = parts.path.split("/")[1:] if parts.path else []
+    if kind == "jetstream":
+        if len(segments) != 1 or not segments[0]:
+            raise ConfigError(f"{uri!r}: expected jetstream://CLUSTER/STREAM")
+        stream = unquote(segments[0])
+        if any(c in stream for c in " .*>\t"):
+            raise ConfigError(f"{uri!r}: invalid stream name {stream!r}")
+        return Endpoint(
+            kind,
+            uri,
+            cluster=parts.netloc,
+            stream=stream,
+            subject=query.get("subject") or None,
+            start_seq=_int(uri, query, "start_seq"),
+            end_seq=_int(uri, query, "end_seq"),
+        )
+    # rabbitmq
+    if not segments or not segments[0] or len(segments) > 2:
+        raise ConfigError(f"{uri!r}: expected rabbitmq://CLUSTER/VHOST/QUEUE (vhost '/' is %2F)")
+    queue = unquote(segments[1]) if len(segments) == 2 and segments[1] else None
+    return Endpoint(
+        kind, uri, cluster=parts.netloc, vhost=unquote(segments[0]), queue=queue, exchange=query.get("exchange") or None
+    )
+
+
+def _int(uri: str, query: dict[str, str], key: str) -> int | None:
+    if key not in query:
+        return None
+    try:
+        value = int(query[key])
+    except ValueError:
+        raise ConfigError(f"{uri!r}: {key} must be an integer") from None
+    if value < 1:
+        raise ConfigError(f"{uri!r}: {key} must be >= 1")
+    return value

@@ -1,0 +1,149 @@
+"""Test helpers: build streams and queues on the lab, run the ferry CLI, read things back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+from nats.js.api import Placement, StreamConfig
+
+from ferry.brokers import nats as bnats
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.pipeline.jetstream import Range, ReadConfig, read_range, stream_states
+from ferry.pipeline.rabbitmq import snapshot_queue
+from ferry.publish import Publisher
+from ferry.topology import Topology
+
+FERRY = [sys.executable, "-m", "ferry.cli"]
+
+
+def ferry(*args: str, topology: Path, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess (its own Spark driver)."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    result = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"ferry {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result
+
+
+def ferry_killed_when(condition: Callable[[], bool], *args: str, topology: Path, timeout: float = 120) -> None:
+    """Start the CLI, SIGKILL its whole process group (driver, JVM, workers) once `condition()` holds."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    proc = subprocess.Popen(
+        [*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not condition():
+            if proc.poll() is not None:
+                raise AssertionError(f"ferry exited ({proc.returncode}) before the kill: {proc.stderr.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError("condition for the kill never held")
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+async def make_stream(
+    topo: Topology,
+    cluster: str,
+    name: str,
+    subjects: list[str],
+    replicas: int = 3,
+    placement: str | None = None,
+    **config: Any,
+) -> None:
+    async with bnats.session(topo.nats(cluster)) as nc:
+        jsm = nc.jsm()
+        with contextlib.suppress(Exception):
+            await jsm.delete_stream(name)
+        await jsm.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=subjects,
+                num_replicas=replicas,
+                placement=Placement(cluster=placement) if placement else None,
+                **config,
+            )
+        )
+
+
+async def fill_stream(
+    topo: Topology,
+    cluster: str,
+    n: int,
+    subject: Callable[[int], str],
+    payload: Callable[[int], bytes],
+    headers: Callable[[int], dict[str, str]] | None = None,
+    msg_id: Callable[[int], str] | None = None,
+) -> None:
+    async with bnats.session(topo.nats(cluster)) as nc, Publisher(nc, window=1024) as pub:
+        for i in range(n):
+            await pub.publish(
+                subject(i), payload(i), headers=headers(i) if headers else None, msg_id=msg_id(i) if msg_id else None
+            )
+    assert pub.stats.failed == 0, pub.stats.errors
+
+
+def stream_count(topo: Topology, cluster: str, stream: str) -> int:
+    return asyncio.run(stream_states(topo.nats(cluster), [stream], name=cluster))[stream]["messages"]
+
+
+async def read_stream(topo: Topology, cluster: str, stream: str) -> list[dict[str, Any]]:
+    cfg = ReadConfig(cluster=topo.nats(cluster).model_dump_json(), name=cluster, streams=(stream,))
+    st = (await stream_states(topo.nats(cluster), [stream], name=cluster))[stream]
+    rows: list[dict[str, Any]] = []
+    async for batch in read_range(cfg, Range(stream, st["first_seq"], st["last_seq"], 2000)):
+        rows += batch.to_pylist()
+    return rows
+
+
+async def make_queues(topo: Topology, cluster: str, vhost: str, names: list[str], quorum: set[str]) -> None:
+    async with Management(topo.rabbitmq(cluster)) as m:
+        if vhost != "/":
+            await m.put(f"/vhosts/{q(vhost)}", {})
+            await m.put(
+                f"/permissions/{q(vhost)}/{q(topo.rabbitmq(cluster).credentials.user)}",  # type: ignore[union-attr]
+                {"configure": ".*", "write": ".*", "read": ".*"},
+            )
+        for name in names:
+            await m.delete(f"/queues/{q(vhost)}/{q(name)}")
+            args = {"x-queue-type": "quorum"} if name in quorum else {}
+            await m.put(f"/queues/{q(vhost)}/{q(name)}", {"durable": True, "arguments": args})
+
+
+async def fill_queue(
+    topo: Topology, cluster: str, vhost: str, queue: str, n: int, message: Callable[[int], aio_pika.Message]
+) -> None:
+    conn = await amqp_connect(topo.rabbitmq(cluster), vhost=vhost)
+    async with conn:
+        ch = await conn.channel(publisher_confirms=True)
+        for start in range(0, n, 500):
+            await asyncio.gather(
+                *(ch.default_exchange.publish(message(i), routing_key=queue) for i in range(start, min(n, start + 500)))
+            )
+
+
+async def queue_messages(topo: Topology, cluster: str, vhost: str, queue: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    async for batch in snapshot_queue(topo.rabbitmq(cluster), cluster, vhost, queue):
+        rows += batch.to_pylist()
+    return rows
+
+
+async def queue_depth(topo: Topology, cluster: str, vhost: str, queue: str) -> int:
+    conn = await amqp_connect(topo.rabbitmq(cluster), vhost=vhost)
+    async with conn:
+        ch = await conn.channel()
+        declared = await ch.declare_queue(queue, passive=True)
+        return int(declared.declaration_result.message_count)

@@ -1,0 +1,222 @@
+"""`ferry copy` on real brokers and real Spark: exact counts, order, properties, kill and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from ferry import lab
+from tests.conftest import profile_topology
+from tests.helpers import (
+    ferry,
+    ferry_killed_when,
+    fill_queue,
+    fill_stream,
+    make_queues,
+    make_stream,
+    queue_depth,
+    queue_messages,
+    read_stream,
+    stream_count,
+)
+
+pytestmark = [pytest.mark.lab, pytest.mark.spark]
+
+N = 40_000
+
+
+def _payload(i: int) -> bytes:
+    return f"payload-{i}-".encode() * 4 + bytes([i % 256])
+
+
+@pytest.fixture(scope="module")
+def source_stream(supercluster: lab.LabState) -> str:
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "CSRC", ["csrc.>"], placement="east"))
+    asyncio.run(
+        fill_stream(
+            topo,
+            "east",
+            N,
+            subject=lambda i: f"csrc.s{i % 20}",
+            payload=_payload,
+            headers=lambda i: {"k": str(i), "kind": "test"},
+        )
+    )
+    return "CSRC"
+
+
+def _check_copy(supercluster: lab.LabState, dest: str, prefix: str, ordered: bool) -> None:
+    topo = profile_topology(supercluster)
+    src = asyncio.run(read_stream(topo, "east", "CSRC"))
+    dst = asyncio.run(read_stream(topo, "west", dest))
+    seqs = [int(r["headers"]["Ferry-Source-Seq"]) for r in map(_hdict, dst)]
+    assert len(dst) == len(src) == N
+    assert len(set(seqs)) == N, "a source message was stored twice"
+    by_seq = {r["source_seq"]: r for r in src}
+    for row in map(_hdict, dst):
+        orig = by_seq[int(row["headers"]["Ferry-Source-Seq"])]
+        assert row["payload"] == orig["payload"]
+        assert row["subject"] == prefix + orig["subject"]
+        assert row["headers"]["k"] == dict(orig["headers"])["k"]
+        assert row["headers"]["Ferry-Source"] == "east/CSRC"
+    per_subject: dict[str, list[int]] = {}
+    for s in seqs:
+        per_subject.setdefault(by_seq[s]["subject"], []).append(s)
+    if ordered:
+        assert seqs == sorted(seqs), "ordered copy changed the sequence order"
+        assert all(v == sorted(v) for v in per_subject.values())
+
+
+def _hdict(row: dict) -> dict:
+    return {**row, "headers": dict(row["headers"] or [])}
+
+
+@pytest.mark.parametrize("mode", ["ordered", "parallel"])
+def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
+    topo = profile_topology(supercluster)
+    dest = f"CDST_{mode.upper()}"
+    prefix = f"{mode}."
+    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west"))
+    topology = supercluster.path / "topology.yaml"
+    extra = ["--partitions", "2"] if mode == "parallel" else []
+    args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix, *extra]
+    ferry_killed_when(lambda: stream_count(topo, "west", dest) >= N // 3, *args, "--rate", "4000", topology=topology)
+    partial = stream_count(topo, "west", dest)
+    assert N // 3 <= partial < N
+    report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert 0 < report["stored"] <= N - partial
+    _check_copy(supercluster, dest, prefix, ordered=mode == "ordered")
+    again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert again["stored"] == 0 and stream_count(topo, "west", dest) == N
+
+
+def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source_stream: str, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    topo = profile_topology(supercluster)
+    topology = supercluster.path / "topology.yaml"
+    ferry("copy", "jetstream://east/CSRC", f"parquet://{tmp_path}/a", topology=topology, check=True)
+    asyncio.run(make_stream(topo, "west", "CRESTORED", ["restored.>"], placement="west"))
+    ferry(
+        "copy",
+        f"parquet://{tmp_path}/a",
+        "jetstream://west/CRESTORED",
+        "--subject-prefix",
+        "restored.",
+        topology=topology,
+        check=True,
+    )
+    ferry("copy", "jetstream://west/CRESTORED", f"parquet://{tmp_path}/b", topology=topology, check=True)
+    a = pq.read_table(tmp_path / "a").sort_by("source_seq").to_pylist()
+    b = pq.read_table(tmp_path / "b").sort_by("source_seq").to_pylist()
+    assert len(a) == len(b) == N
+
+    def core(r: dict) -> tuple:
+        # the copy adds Nats-Msg-Id and Ferry-Source*: everything else must be identical
+        added = {"Nats-Msg-Id", "Ferry-Source", "Ferry-Source-Seq"}
+        headers = tuple(sorted((k, v) for k, v in r["headers"] if k not in added))
+        return r["subject"].removeprefix("restored."), r["payload"], headers
+
+    assert [core(r) for r in a] == [core(r) for r in b]
+
+
+QUEUES = [f"q{i}" for i in range(5)]
+PER_QUEUE = 3000
+
+
+def _amqp(vhost: str, queue: str, i: int) -> aio_pika.Message:
+    return aio_pika.Message(
+        f"{vhost}|{queue}|{i}".encode(),
+        message_id=f"{vhost}|{queue}|{i}",
+        content_type="application/json",
+        priority=i % 5,
+        correlation_id=f"c{i}",
+        app_id="test",
+        type="t",
+        headers={"n": i, "f": 0.5, "bin": bytearray(b"\x00\xff"), "nested": {"a": [1, "x"]}, "flag": True},
+    )
+
+
+def test_queue_copy_across_vhosts_survives_kill(rabbit_dr: lab.LabState) -> None:
+    topo = profile_topology(rabbit_dr)
+    topology = rabbit_dr.path / "topology.yaml"
+    for vhost in ("/", "cv"):
+        for cluster in ("ltm", "pc1"):
+            asyncio.run(make_queues(topo, cluster, vhost, QUEUES, quorum={"q1", "q3"}))
+        for queue in QUEUES:
+            asyncio.run(fill_queue(topo, "ltm", vhost, queue, PER_QUEUE, lambda i, v=vhost, q=queue: _amqp(v, q, i)))
+    total = 2 * len(QUEUES) * PER_QUEUE
+
+    def moved() -> int:
+        return sum(asyncio.run(queue_depth(topo, "pc1", v, qn)) for v in ("/", "cv") for qn in QUEUES)
+
+    args = ["copy", "rabbitmq://ltm/*/*", "rabbitmq://pc1/*/*"]
+    ferry_killed_when(lambda: moved() >= total // 3, *args, "--rate", "3000", topology=topology)
+    first = moved()
+    assert total // 3 <= first < total
+    report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert all(q["left"] == 0 for q in report["queues"])
+
+    ids: Counter[str] = Counter()
+    for vhost in ("/", "cv"):
+        for queue in QUEUES:
+            assert asyncio.run(queue_depth(topo, "ltm", vhost, queue)) == 0
+            for row in asyncio.run(queue_messages(topo, "pc1", vhost, queue)):
+                ids[row["msg_id"]] += 1
+                props = row["properties"]
+                i = int(row["msg_id"].rsplit("|", 1)[1])
+                assert props["content_type"] == "application/json" and props["priority"] == i % 5
+                assert props["correlation_id"] == f"c{i}" and props["app_id"] == "test" and props["type"] == "t"
+                typed = json.loads(props["headers"])["$m"]
+                assert (
+                    typed["n"] == i and typed["f"] == 0.5 and typed["bin"] == {"$b": "AP8="} and typed["flag"] is True
+                )
+                assert typed["nested"] == {"$m": {"a": [1, "x"]}}
+                assert "x-ferry-transfer" in typed
+    expected = {f"{v}|{qn}|{i}" for v in ("/", "cv") for qn in QUEUES for i in range(PER_QUEUE)}
+    assert set(ids) == expected, "a message was lost"
+    duplicates = sum(c - 1 for c in ids.values())
+    assert duplicates <= report["possible_duplicates"], "a duplicate was not counted in the summary"
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "message"),
+    [
+        ("kafka://x/y", "parquet:///tmp/x", "unknown scheme kafka://"),
+        ("jetstream://east/NOPE", "parquet:///tmp/ferry-nope", "stream 'NOPE' not found"),
+        ("jetstream://mars/CSRC", "parquet:///tmp/ferry-nope", "unknown cluster 'mars'"),
+        ("jetstream://east/CSRC", "jetstream://west/NOPE", "stream 'NOPE' does not exist (pass --create"),
+        ("jetstream://east/CSRC", "jetstream://west", "expected jetstream://CLUSTER/STREAM"),
+        ("jetstream://east/CSRC?colour=red", "parquet:///tmp/ferry-nope", "unknown option 'colour'"),
+    ],
+)
+def test_bad_input_is_one_line_and_moves_nothing(
+    supercluster: lab.LabState, source_stream: str, src: str, dst: str, message: str
+) -> None:
+    result = ferry("copy", src, dst, topology=supercluster.path / "topology.yaml")
+    assert result.returncode != 0
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not Path("/tmp/ferry-nope").exists()
+
+
+def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
+    topology = rabbit_dr.path / "topology.yaml"
+    result = ferry("copy", "rabbitmq://ltm/%2F/no-such-queue", "rabbitmq://pc1/%2F/q0", topology=topology)
+    assert result.returncode != 0 and "queue 'no-such-queue' not found" in result.stderr
+    secret = tmp_path / "wrong"
+    secret.write_text("wrong-password")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(topology.read_text().replace(str(rabbit_dr.path / "secrets" / "rabbitmq"), str(secret)))
+    before = asyncio.run(queue_depth(profile_topology(rabbit_dr), "pc1", "/", "q0"))
+    result = ferry("copy", "rabbitmq://ltm/%2F/q0", "rabbitmq://pc1/%2F/q0", topology=bad)
+    assert result.returncode != 0
+    assert "refused the credentials" in result.stderr and "wrong-password" not in result.stderr
+    assert len([ln for ln in result.stderr.splitlines() if ln.strip()]) == 1
+    assert asyncio.run(queue_depth(profile_topology(rabbit_dr), "pc1", "/", "q0")) == before
