@@ -41,21 +41,26 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aio_pika
 import pyarrow as pa
 import pyarrow.parquet as pq
 from aio_pika.abc import AbstractIncomingMessage
+from pamqp import commands
+from pamqp.header import ContentHeader
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import amqp_connect, q
-from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
+from ferry.pipeline._amqp import Connection, Delivery, with_header
 from ferry.pipeline._common import WriteCounts, cluster_json, nats_cluster, opt_int, rabbit_cluster
 from ferry.pipeline.schema import ARROW_SCHEMA, SPARK_DDL, BatchBuilder
 from ferry.publish import Pacer, Publisher
@@ -161,61 +166,42 @@ def message_row(m: AbstractIncomingMessage, source: str, index: int) -> tuple[An
     )
 
 
-def row_message(row: dict[str, Any], transfer_id: str | None) -> aio_pika.Message:
-    """An AMQP message from a common-schema row: typed headers and properties when present."""
+def row_header(row: dict[str, Any], transfer_id: str | None, body_size: int) -> bytes:
+    """A raw AMQP content header from a common-schema row (typed headers and properties when present)."""
     props = row.get("properties") or {}
     headers = headers_from_json(props.get("headers")) if props.get("headers") else dict(row.get("headers") or [])
     if transfer_id:
         headers[TRANSFER_HDR] = transfer_id
-    expiration = props.get("expiration")
-    return aio_pika.Message(
-        row.get("payload") or b"",
-        headers=headers or None,
+    timestamp = props.get("timestamp") or row.get("timestamp")
+    properties = commands.Basic.Properties(
         content_type=props.get("content_type"),
         content_encoding=props.get("content_encoding"),
-        delivery_mode=props.get("delivery_mode") or aio_pika.DeliveryMode.PERSISTENT,
+        headers=headers or None,
+        delivery_mode=props.get("delivery_mode") or 2,
         priority=props.get("priority"),
         correlation_id=props.get("correlation_id"),
         reply_to=props.get("reply_to"),
-        expiration=int(expiration) / 1000 if expiration else None,
+        expiration=props.get("expiration"),
         message_id=props.get("message_id") or row.get("msg_id"),
-        timestamp=props.get("timestamp") or row.get("timestamp"),
-        type=props.get("type"),
+        timestamp=timestamp.replace(microsecond=0) if timestamp else None,
+        message_type=props.get("type"),
         user_id=props.get("user_id"),
         app_id=props.get("app_id"),
     )
+    return ContentHeader(0, body_size, properties).marshal()
 
 
-def _amqp_value(v: Any) -> Any:
-    """A decoded header value that pamqp can encode again (it encodes bytes only as bytearray)."""
-    if isinstance(v, bytes):
-        return bytearray(v)
-    if isinstance(v, dict):
-        return {k: _amqp_value(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_amqp_value(x) for x in v]
-    return v
-
-
-def _republish(m: AbstractIncomingMessage, transfer_id: str) -> aio_pika.Message:
-    """The same message (body, properties, typed headers) plus x-ferry-transfer."""
-    headers = {k: _amqp_value(v) for k, v in (m.headers or {}).items()}
-    headers[TRANSFER_HDR] = transfer_id
-    return aio_pika.Message(
-        m.body,
-        headers=headers,
-        content_type=m.content_type,
-        content_encoding=m.content_encoding,
-        delivery_mode=m.delivery_mode,
-        priority=m.priority,
-        correlation_id=m.correlation_id,
-        reply_to=m.reply_to,
-        expiration=m.expiration,
-        message_id=m.message_id,
-        timestamp=m.timestamp,
-        type=m.type,
-        user_id=m.user_id,
-        app_id=m.app_id,
+async def _connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
+    b = cluster.brokers[broker % len(cluster.brokers)]
+    creds = cluster.credentials
+    parts = urlsplit(b.url)
+    return await Connection.open(
+        parts.hostname or "127.0.0.1",
+        parts.port or 5672,
+        creds.user if creds else "guest",
+        (creds.password() if creds else None) or "guest",
+        vhost,
+        name=name or b.name,
     )
 
 
@@ -223,15 +209,16 @@ def _republish(m: AbstractIncomingMessage, transfer_id: str) -> aio_pika.Message
 
 
 class _Sink:
-    """Puts messages somewhere durable and reports each one as confirmed."""
+    """Puts messages somewhere durable and reports each one as confirmed (then calls `notify`)."""
 
     def __init__(self) -> None:
         self.confirmed: set[int] = set()
         self.error: str | None = None
+        self.notify: Callable[[], None] = lambda: None
 
     async def open(self) -> None: ...
 
-    async def put(self, m: AbstractIncomingMessage, tag: int, source: str, index: int) -> None: ...
+    async def put(self, d: Delivery, tag: int, source: str, index: int) -> None: ...
 
     async def flush(self) -> None: ...
 
@@ -239,47 +226,75 @@ class _Sink:
 
 
 class _RabbitSink(_Sink):
+    """Publishes raw frames with confirms; a message is confirmed when the broker acks its sequence."""
+
     def __init__(self, spec: dict[str, Any], transfer_id: str) -> None:
         super().__init__()
         self.spec, self.transfer_id = spec, transfer_id
-        self.inflight: set[asyncio.Future[Any]] = set()
+        self.order: deque[int] = deque()
+        self.tags: dict[int, int] = {}  # publish sequence -> source delivery tag
+        self.space = asyncio.Event()
+        self.exchange = spec.get("exchange") or ""
 
     async def open(self) -> None:
-        cluster = rabbit_cluster(self.spec["cluster"])
-        self.conn = await amqp_connect(cluster, vhost=self.spec.get("vhost", "/"))
-        self.channel = await self.conn.channel(publisher_confirms=True, on_return_raises=True)
-        if self.spec.get("exchange"):
-            self.exchange = await self.channel.get_exchange(self.spec["exchange"], ensure=True)
+        self.conn = await _connect(
+            rabbit_cluster(self.spec["cluster"]), self.spec.get("vhost") or "/", name=self.spec.get("name", "")
+        )
+        self.ch = await self.conn.channel()
+        await self.ch.confirm_select()
+        self.ch.on_confirm = self._confirm
+        self.ch.on_return = self._returned
+
+    def _confirm(self, seq: int, multiple: bool, ok: bool) -> None:
+        if not ok:
+            self.error = self.error or f"the broker refused (nack) message {seq}"
+        if multiple:
+            while self.order and self.order[0] <= seq:
+                tag = self.tags.pop(self.order.popleft(), None)
+                if tag is not None and ok:
+                    self.confirmed.add(tag)
         else:
-            self.exchange = self.channel.default_exchange
-
-    def _routing_key(self, original: str) -> str:
-        return original if self.spec.get("exchange") else self.spec["queue"]
-
-    async def send(self, message: aio_pika.Message, routing_key: str, tag: int) -> None:
-        fut = asyncio.ensure_future(self.exchange.publish(message, routing_key, mandatory=True))
-        self.inflight.add(fut)
-
-        def done(f: asyncio.Future[Any]) -> None:
-            self.inflight.discard(f)
-            if f.cancelled() or f.exception():
-                exc = f.exception() if not f.cancelled() else "cancelled"
-                self.error = self.error or f"publish to {self.spec.get('queue') or self.spec.get('exchange')}: {exc}"
-            else:
+            tag = self.tags.pop(seq, None)
+            if tag is not None and ok:
                 self.confirmed.add(tag)
+        self.space.set()
+        self.notify()
 
-        fut.add_done_callback(done)
+    def _returned(self, reply: str) -> None:
+        where = self.spec.get("queue") or self.exchange
+        self.error = self.error or f"unroutable at {where} ({reply})"
 
-    async def put(self, m: AbstractIncomingMessage, tag: int, source: str, index: int) -> None:
-        await self.send(_republish(m, self.transfer_id), self._routing_key(m.routing_key or ""), tag)
+    @property
+    def inflight(self) -> int:
+        return len(self.tags)
+
+    def publish(self, header: bytes, body: bytes, routing_key: str, tag: int) -> None:
+        seq = self.ch.publish(self.exchange, routing_key, header, body)
+        self.order.append(seq)
+        self.tags[seq] = tag
+
+    async def put(self, d: Delivery, tag: int, source: str, index: int) -> None:
+        key = d.routing_key if self.exchange else self.spec["queue"]
+        self.publish(with_header(d.header, TRANSFER_HDR, self.transfer_id), d.body, key, tag)
+        if len(self.tags) % 256 == 0:
+            await self.conn.drain()
+
+    async def wait_below(self, n: int, timeout: float = 60.0) -> None:
+        while len(self.tags) >= n and not self.error:
+            self.space.clear()
+            if self.conn.closed:
+                raise BrokerUnavailable(f"publishing to {self.spec.get('queue') or self.exchange}: {self.conn.closed}")
+            try:
+                await asyncio.wait_for(self.space.wait(), timeout)
+            except TimeoutError:
+                raise BrokerUnavailable(f"no publisher confirm within {timeout:.0f}s") from None
 
     async def flush(self) -> None:
-        if self.inflight:
-            await asyncio.gather(*list(self.inflight), return_exceptions=True)
+        await self.conn.drain()
+        await self.wait_below(1)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.conn.close()
+        await self.conn.close()
 
 
 class _JetStreamSink(_Sink):
@@ -297,14 +312,15 @@ class _JetStreamSink(_Sink):
             self.error = self.error or f"publish to {ack.subject}: {ack.error}"
         else:
             self.confirmed.add(ack.ctx)
+        self.notify()
 
-    async def put(self, m: AbstractIncomingMessage, tag: int, source: str, index: int) -> None:
-        headers = {k: _text(v) for k, v in (m.headers or {}).items()}
+    async def put(self, d: Delivery, tag: int, source: str, index: int) -> None:
+        headers = {k: _text(v) for k, v in (d.headers or {}).items()}
         headers[TRANSFER_HDR] = self.transfer_id
         if self.spec.get("stream"):
             headers["Nats-Expected-Stream"] = self.spec["stream"]
-        subject = self.spec.get("subject") or m.routing_key or ""
-        await self.pub.publish(subject, m.body, headers=headers, msg_id=m.message_id, ctx=tag)
+        subject = self.spec.get("subject") or d.routing_key or ""
+        await self.pub.publish(subject, d.body, headers=headers, msg_id=d.message_id, ctx=tag)
 
     async def flush(self) -> None:
         await self.pub.flush()
@@ -330,8 +346,8 @@ class _ParquetSink(_Sink):
     async def open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    async def put(self, m: AbstractIncomingMessage, tag: int, source: str, index: int) -> None:
-        self.builder.add(*message_row(m, source, index))
+    async def put(self, d: Delivery, tag: int, source: str, index: int) -> None:
+        self.builder.add(*message_row(d, source, index))
         self.tags.append(tag)
         if len(self.tags) >= self.chunk:
             await self.flush()
@@ -349,6 +365,7 @@ class _ParquetSink(_Sink):
         self.files += 1
         self.confirmed.update(self.tags)
         self.tags = []
+        self.notify()
 
 
 def _sink(spec: dict[str, Any], transfer_id: str, window: int) -> _Sink:
@@ -369,7 +386,7 @@ class MoveTask:
     queue: str
     sink: dict[str, Any]
     transfer_id: str
-    limit: int | None = None  # this task's share; None = until the queue is empty
+    limit: int | None = None  # this task's share; None = what the queue holds when the task starts
     window: int = 1000
     idle: float = 1.0
     broker: int = 0  # which broker of the source cluster to consume from
@@ -390,7 +407,7 @@ class MoveResult:
 
 
 class _Consumer:
-    """A manual-ack consumer whose messages are awaited with a timeout (None when idle)."""
+    """An aio-pika manual-ack consumer whose messages are awaited with a timeout (None when idle)."""
 
     def __init__(self, queue: Any, inbox: asyncio.Queue[AbstractIncomingMessage] | None = None) -> None:
         self.queue = queue
@@ -407,12 +424,6 @@ class _Consumer:
         with contextlib.suppress(Exception):
             await self.queue.cancel(self.tag)
 
-    async def get(self, timeout: float) -> AbstractIncomingMessage | None:
-        try:
-            return await asyncio.wait_for(self.inbox.get(), timeout)
-        except TimeoutError:
-            return None
-
 
 async def _ready(channel: Any, queue: str) -> int:
     """The live ready count (a passive declare; the management API lags)."""
@@ -421,62 +432,82 @@ async def _ready(channel: Any, queue: str) -> int:
 
 
 async def move_queue(task: MoveTask) -> MoveResult:
-    """Move messages from one queue to the sink: ack each only after the sink confirmed it."""
+    """Move messages from one queue to the sink: ack each only after the sink confirmed it.
+
+    Source acks are sent from the sink's confirmation callback (multiple=True up
+    to the last contiguous confirmed delivery), so the prefetch window refills
+    as fast as the sink confirms.
+    """
     t0 = time.monotonic()
     result = MoveResult(task.vhost, task.queue)
-    cluster = rabbit_cluster(task.cluster)
     source = f"{task.name}/{q(task.vhost)}/{task.queue}"
-    conn = await amqp_connect(cluster, cluster.brokers[task.broker % len(cluster.brokers)], vhost=task.vhost)
+    conn = await _connect(rabbit_cluster(task.cluster), task.vhost, task.broker, task.name)
     sink = _sink({**task.sink, "queue": task.sink.get("queue") or task.queue}, task.transfer_id, task.window)
-    async with conn:
-        channel = await conn.channel()
+    try:
+        ch = await conn.channel()
         try:
-            result.before = await _ready(channel, task.queue)
-        except aio_pika.exceptions.ChannelClosed:
+            result.before = await ch.declare_passive(task.queue)
+        except NotFound:
             raise NotFound(f"queue {task.queue!r} not found in vhost {task.vhost!r} of {task.name}") from None
         limit = result.before if task.limit is None else min(task.limit, result.before)
-        await channel.set_qos(prefetch_count=task.window)
-        queue = await channel.get_queue(task.queue, ensure=False)
-        await sink.open()
-        unacked: deque[AbstractIncomingMessage] = deque()
-        pacer = Pacer(task.rate)
+        if limit > 0:
+            await ch.qos(task.window)
+            await sink.open()
+            unacked: deque[int] = deque()
 
-        async def ack_confirmed() -> None:
-            last = None
-            while unacked and unacked[0].delivery_tag in sink.confirmed:
-                last = unacked.popleft()
-                sink.confirmed.discard(last.delivery_tag)
-            if last is not None:
-                await last.ack(multiple=True)
+            def ack_confirmed() -> None:
+                if sink.error:
+                    return
+                last = None
+                while unacked and unacked[0] in sink.confirmed:
+                    last = unacked.popleft()
+                    sink.confirmed.discard(last)
+                if last is not None and not ch.closed:
+                    ch.ack(last, multiple=True)
+
+            sink.notify = ack_confirmed
+            inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
+            ch.on_cancel = lambda: inbox.put_nowait(None)
+            consumer = await ch.consume(task.queue, inbox.put_nowait)
+            pacer = Pacer(task.rate)
+            while result.moved < limit:
+                if sink.error:
+                    raise FerryError(f"moving {source}: {sink.error}")
+                if inbox.empty():
+                    try:
+                        d = await asyncio.wait_for(inbox.get(), task.idle)
+                    except TimeoutError:
+                        await sink.flush()
+                        ack_confirmed()
+                        if await ch.declare_passive(task.queue) == 0:
+                            break  # someone else took the rest
+                        continue
+                else:
+                    d = inbox.get_nowait()
+                if d is None:
+                    break  # the broker cancelled the consumer (queue deleted)
+                await pacer.wait()
+                unacked.append(d.tag)
+                result.redelivered += d.redelivered
+                result.bytes += len(d.body)
+                await sink.put(d, d.tag, source, result.moved)
+                result.moved += 1
+            await ch.cancel(consumer)
+            await sink.flush()
+            ack_confirmed()
             if sink.error:
                 raise FerryError(f"moving {source}: {sink.error}")
-
-        try:
-            if limit > 0:
-                async with _Consumer(queue) as consumer:
-                    while result.moved < limit:
-                        m = await consumer.get(task.idle)
-                        if m is None:
-                            await sink.flush()
-                            await ack_confirmed()
-                            if await _ready(channel, task.queue) == 0:
-                                break  # someone else took the rest
-                            continue
-                        await pacer.wait()
-                        unacked.append(m)
-                        result.redelivered += int(m.redelivered)
-                        result.bytes += len(m.body)
-                        await sink.put(m, m.delivery_tag, source, result.moved)
-                        result.moved += 1
-                        if len(unacked) >= task.window // 2:
-                            await ack_confirmed()
-                    await sink.flush()
-                    await ack_confirmed()
-            result.left = await _ready(channel, task.queue)
-        finally:
-            await sink.close()
+        result.left = await ch.declare_passive(task.queue)
+    finally:
+        await _close_quietly(sink)
+        await conn.close()
     result.seconds = time.monotonic() - t0
     return result
+
+
+async def _close_quietly(sink: _Sink) -> None:
+    with contextlib.suppress(Exception):
+        await sink.close()
 
 
 # -- non-destructive snapshot ---------------------------------------------------------------
@@ -565,12 +596,14 @@ async def write_rows(cfg: WriteConfig, batches: Any) -> WriteCounts:
         for batch in batches:
             for row in batch.to_pylist():
                 await pacer.wait()
+                body = row.get("payload") or b""
                 counts.rows += 1
-                counts.bytes += len(row.get("payload") or b"")
+                counts.bytes += len(body)
                 key = cfg.queue or row.get("subject") or ""
-                await sink.send(row_message(row, cfg.transfer_id), key, counts.rows)
-                while len(sink.inflight) >= cfg.window:
-                    await asyncio.wait(list(sink.inflight), return_when=asyncio.FIRST_COMPLETED)
+                sink.publish(row_header(row, cfg.transfer_id, len(body)), body, key, counts.rows)
+                if sink.inflight >= cfg.window:
+                    await sink.conn.drain()
+                    await sink.wait_below(cfg.window)
                 if sink.error:
                     break
         await sink.flush()
