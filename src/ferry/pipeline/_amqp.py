@@ -105,7 +105,8 @@ def with_header(header: bytes, key: str, value: str) -> bytes:
         return header[:12] + struct.pack(">H", flags | 0x2000) + header[14:pos] + table + header[pos:]
     (size,) = struct.unpack_from(">I", header, pos)
     table, rest = header[pos + 4 : pos + 4 + size], header[pos + 4 + size :]
-    table = _without_key(table, k)
+    if k in table:  # only then walk the table to drop the old value
+        table = _without_key(table, k)
     return header[:pos] + struct.pack(">I", len(table) + len(entry)) + table + entry + rest
 
 
@@ -220,6 +221,7 @@ class Connection:
         self.closed: str | None = None
         self._handshake: asyncio.Queue[Any] = asyncio.Queue()
         self._content: _Incoming | None = None
+        self._out: list[bytes] = []
 
     @classmethod
     async def open(
@@ -299,16 +301,26 @@ class Connection:
         return ch
 
     def write(self, data: bytes) -> None:
+        """Queue frames; they leave in one send per event-loop pass (not one syscall per message)."""
         if self.closed:
             raise BrokerUnavailable(f"{self.name}: AMQP connection closed: {self.closed}")
-        self.writer.write(data)
+        self._out.append(data)
+        if len(self._out) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._out and not self.closed:
+            self.writer.write(b"".join(self._out))
+        self._out.clear()
 
     async def drain(self) -> None:
+        self._flush()
         await self.writer.drain()
 
     async def close(self) -> None:
         if not self.closed:
             with contextlib.suppress(Exception):
+                self._flush()
                 self.writer.write(frame.marshal(commands.Connection.Close(reply_code=200, reply_text="bye"), 0))
                 await asyncio.wait_for(self.writer.drain(), 2)
         self.closed = self.closed or "closed by ferry"

@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,7 +459,19 @@ def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, ...]]:
     return zip(*cols, strict=True)
 
 
-async def write_batches(cfg: WriteConfig, batches: Iterable[pa.RecordBatch]) -> WriteCounts:
+Batches = Iterable[pa.RecordBatch] | AsyncIterable[pa.RecordBatch]
+
+
+async def _each(batches: Batches) -> AsyncIterator[pa.RecordBatch]:
+    if isinstance(batches, AsyncIterable):
+        async for batch in batches:
+            yield batch
+    else:
+        for batch in batches:
+            yield batch
+
+
+async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
     """Publish every row of `batches`; raise if any message could not be stored."""
     counts = WriteCounts()
     async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
@@ -469,7 +481,7 @@ async def write_batches(cfg: WriteConfig, batches: Iterable[pa.RecordBatch]) -> 
             pub = Publisher(nc, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
             pacer = Pacer(cfg.rate)
             async with pub:
-                for batch in batches:
+                async for batch in _each(batches):
                     for row in _rows(batch):
                         await pacer.wait()
                         subject, payload, headers, msg_id = _message(cfg, row)
@@ -497,7 +509,7 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
 
 
-async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Iterable[pa.RecordBatch], counts: WriteCounts) -> None:
+async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Batches, counts: WriteCounts) -> None:
     """Pipelined publishes, each expecting its predecessor as the stream's last message.
 
     A failure (timeout, leader change, another writer) stops the pipeline; the
@@ -557,13 +569,13 @@ async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Iterable[pa.RecordB
                 reason = bad[0].error if bad else "no progress after 10 attempts"
                 raise FerryError(f"jetstream ordered write to {cfg.stream}: {reason}")
 
-    for batch in batches:
+    async for batch in _each(batches):
         for row in _rows(batch):
             message = _message(cfg, row)
             counts.rows += 1
             counts.bytes += len(message[1])
             pending.append(message)
-            if len(pending) >= 10 * cfg.window:
+            if len(pending) >= max(20_000, 10 * cfg.window):  # a resync point per chunk, not per window
                 await drain()
     await drain()
 

@@ -73,6 +73,7 @@ __all__ = [
     "headers_from_json",
     "headers_to_json",
     "move_queue",
+    "raw_connect",
     "snapshot_queue",
 ]
 
@@ -191,7 +192,8 @@ def row_header(row: dict[str, Any], transfer_id: str | None, body_size: int) -> 
     return ContentHeader(0, body_size, properties).marshal()
 
 
-async def _connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
+async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
+    """A raw-frame AMQP connection (the mover's fast path) to one broker of `cluster`."""
     b = cluster.brokers[broker % len(cluster.brokers)]
     creds = cluster.credentials
     parts = urlsplit(b.url)
@@ -237,7 +239,7 @@ class _RabbitSink(_Sink):
         self.exchange = spec.get("exchange") or ""
 
     async def open(self) -> None:
-        self.conn = await _connect(
+        self.conn = await raw_connect(
             rabbit_cluster(self.spec["cluster"]), self.spec.get("vhost") or "/", name=self.spec.get("name", "")
         )
         self.ch = await self.conn.channel()
@@ -441,7 +443,7 @@ async def move_queue(task: MoveTask) -> MoveResult:
     t0 = time.monotonic()
     result = MoveResult(task.vhost, task.queue)
     source = f"{task.name}/{q(task.vhost)}/{task.queue}"
-    conn = await _connect(rabbit_cluster(task.cluster), task.vhost, task.broker, task.name)
+    conn = await raw_connect(rabbit_cluster(task.cluster), task.vhost, task.broker, task.name)
     sink = _sink({**task.sink, "queue": task.sink.get("queue") or task.queue}, task.transfer_id, task.window)
     try:
         ch = await conn.channel()

@@ -39,8 +39,20 @@ _LOCAL_CONF = {
 }
 
 
-def get_session(master: str | None = None, remote: str | None = None, app_name: str = "ferry", **conf: Any) -> Any:
-    """A SparkSession with ferry's data sources registered."""
+# Jobs that move messages do their work in Python workers; the JVM only schedules.
+# C1-only JIT and the serial GC nearly halve its start-up CPU (17 -> 9.5 CPU-s
+# measured here), which otherwise competes with the move for the same cores.
+_LIGHT_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:CICompilerCount=2"
+
+
+def get_session(
+    master: str | None = None, remote: str | None = None, app_name: str = "ferry", light_jvm: bool = True, **conf: Any
+) -> Any:
+    """A SparkSession with ferry's data sources registered.
+
+    ``light_jvm`` (local driver only): a JVM tuned for moving data; pass False for
+    jobs that compute in the JVM (the audit).
+    """
     from pyspark.sql import SparkSession
 
     if master and remote:
@@ -55,7 +67,8 @@ def get_session(master: str | None = None, remote: str | None = None, app_name: 
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = SparkSession.builder.master(master or "local[*]").appName(app_name)
         log4j = Path(__file__).with_name("log4j2.properties")
-        quiet = {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"}
+        java = f"-Dlog4j2.configurationFile=file:{log4j}" + (f" {_LIGHT_JVM}" if light_jvm else "")
+        quiet = {"spark.driver.extraJavaOptions": java}
         for key, value in {**_LOCAL_CONF, **quiet, **conf}.items():
             builder = builder.config(key, value)
     try:

@@ -1,0 +1,328 @@
+"""Benchmark: `ferry copy` against each system's native mover, same run, same machine.
+
+- RabbitMQ, 10 queues: dynamic shovels (ack-mode on-confirm, src-delete-after
+  queue-length, dest-queue, one per queue) from ltm to pc1, then ferry moves the
+  same messages back from pc1 to ltm. Target: ferry >= 1.0x shovels.
+- JetStream, R3 stream in east -> R3 stream in west: server-side stream sourcing
+  (a stream in west with `sources: [SRC]`) against ferry ordered and ferry with
+  1, 2 and 4 partitions. Target: ferry >= 0.5x sourcing.
+
+Rates are messages / seconds of movement (ferry: the copy job, without the
+Spark session start-up, which is reported separately as wall time). CPU: the
+client process tree (ferry's driver, JVM and Python workers), and the brokers'
+own processes, measured over the same interval.
+
+    .venv/bin/python bench/copy.py                 # 1,000,000 messages of 100 bytes
+    .venv/bin/python bench/copy.py --quick         # 100,000
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# this file is named like the standard library's `copy`: look in the stdlib first
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _util import PeakRss, mb, run_ferry, tree
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.brokers.rabbitmq import Management, q
+from ferry.pipeline._amqp import Connection
+from ferry.pipeline.rabbitmq import raw_connect, row_header
+from ferry.publish import Publisher
+from ferry.topology import Topology, load_topology
+
+QUEUES = [f"bench-{i}" for i in range(10)]
+
+
+def _pids(state: lab.LabState, kind: str) -> list[int]:
+    return [p.pid for p in state.procs if p.kind == kind]
+
+
+def _beam_pids(state: lab.LabState) -> list[int]:
+    """The Erlang VMs (children of the rabbitmq-server wrapper shells)."""
+    return [pid for p in state.procs if p.kind == "rabbitmq" for pid in tree(p.pid)]
+
+
+async def _connect(topo: Topology, cluster: str) -> Connection:
+    return await raw_connect(topo.rabbitmq(cluster), "/")
+
+
+async def _depths(topo: Topology, cluster: str) -> int:
+    conn = await _connect(topo, cluster)
+    ch = await conn.channel()
+    total = sum([await ch.declare_passive(name) for name in QUEUES])
+    await conn.close()
+    return total
+
+
+async def _fill_queues(topo: Topology, cluster: str, per_queue: int, size: int) -> None:
+    for c in ("ltm", "pc1"):
+        async with Management(topo.rabbitmq(c)) as m:
+            for name in QUEUES:
+                await m.delete(f"/queues/%2F/{q(name)}")
+                await m.put(f"/queues/%2F/{q(name)}", {"durable": True, "arguments": {}})
+    conn = await _connect(topo, cluster)
+    ch = await conn.channel()
+    await ch.confirm_select()
+    confirmed = 0
+
+    def on_confirm(seq: int, multiple: bool, ok: bool) -> None:
+        nonlocal confirmed
+        confirmed = seq
+
+    ch.on_confirm = on_confirm
+    body = b"x" * size
+    header = row_header({"properties": {"delivery_mode": 2}}, None, size)
+    sent = 0
+    for name in QUEUES:
+        for _ in range(per_queue):
+            sent = ch.publish("", name, header, body)
+            if sent - confirmed > 5000:
+                await conn.drain()
+                while sent - confirmed > 2000:
+                    await asyncio.sleep(0.001)
+    while confirmed < sent:
+        await asyncio.sleep(0.01)
+    await conn.close()
+
+
+def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str]) -> list[dict[str, Any]]:
+    state = lab.up("rabbit-dr", root, log=lambda _: None)
+    topo = load_topology(state.path / "topology.yaml")
+    per_queue = n // len(QUEUES)
+    total = per_queue * len(QUEUES)
+    print(f"rabbitmq: filling {len(QUEUES)} queues on ltm with {total:,} messages of {size} bytes", flush=True)
+    asyncio.run(_fill_queues(topo, "ltm", per_queue, size))
+    beams = _beam_pids(state)
+
+    # anchor: dynamic shovels ltm -> pc1
+    ltm, pc1 = topo.rabbitmq("ltm"), topo.rabbitmq("pc1")
+    pw = ltm.credentials.password()  # type: ignore[union-attr]
+    src_uri = ltm.brokers[0].url.replace("amqp://", f"amqp://ferry:{pw}@")
+    dst_uri = pc1.brokers[0].url.replace("amqp://", f"amqp://ferry:{pw}@")
+
+    async def shovel() -> float:
+        async with Management(ltm) as m:
+            t0 = time.monotonic()
+            for name in QUEUES:
+                await m.put(
+                    f"/parameters/shovel/%2F/bench-{name}",
+                    {
+                        "value": {
+                            "src-uri": src_uri,
+                            "src-queue": name,
+                            "dest-uri": dst_uri,
+                            "dest-queue": name,
+                            "ack-mode": "on-confirm",
+                            "src-delete-after": "queue-length",
+                        }
+                    },
+                )
+            while await _depths(topo, "pc1") < total:
+                await asyncio.sleep(0.05)
+            elapsed = time.monotonic() - t0
+            for name in QUEUES:
+                await m.delete(f"/parameters/shovel/%2F/bench-{name}")
+        return elapsed
+
+    print("rabbitmq: shovels ltm -> pc1", flush=True)
+    with PeakRss(pids=beams) as broker:
+        seconds = asyncio.run(shovel())
+    rows = [
+        {
+            "case": "rabbitmq 10 queues",
+            "who": "shovels (anchor)",
+            "messages": total,
+            "seconds": seconds,
+            "rate": total / seconds,
+            "wall": seconds,
+            "client_cpu": 0.0,
+            "broker_cpu": broker.cpu,
+            "client_rss": 0,
+            "broker_rss": broker.peak,
+        }
+    ]
+
+    print("rabbitmq: ferry copy pc1 -> ltm", flush=True)
+    with PeakRss(pids=beams) as broker:
+        run = run_ferry(["copy", "rabbitmq://pc1/%2F/*", "rabbitmq://ltm/%2F/*", *extra], state.path / "topology.yaml")
+    report = run["report"]
+    landed = asyncio.run(_depths(topo, "ltm"))
+    assert report["read"] == landed == total, f"ferry moved {report['read']:,}, ltm holds {landed:,} of {total:,}"
+    rows.append(
+        {
+            "case": "rabbitmq 10 queues",
+            "who": "ferry copy",
+            "messages": report["read"],
+            "seconds": report["seconds"],
+            "rate": report["read"] / report["seconds"],
+            "wall": run["wall"],
+            "client_cpu": run["cpu"],
+            "broker_cpu": broker.cpu,
+            "client_rss": run["peak_rss"],
+            "broker_rss": broker.peak,
+        }
+    )
+    lab.down("rabbit-dr", root, log=lambda _: None)
+    return rows
+
+
+async def _stream(topo: Topology, cluster: str, name: str, **config: Any) -> None:
+    from nats.js.api import Placement, StreamConfig
+
+    async with bnats.session(topo.nats(cluster)) as nc:
+        jsm = nc.jsm()
+        with contextlib.suppress(Exception):
+            await jsm.delete_stream(name)
+        await jsm.add_stream(StreamConfig(name=name, num_replicas=3, placement=Placement(cluster=cluster), **config))
+
+
+async def _count(topo: Topology, cluster: str, name: str) -> int:
+    async with bnats.session(topo.nats(cluster)) as nc:
+        return int((await nc.jsm().stream_info(name)).state.messages)
+
+
+async def _delete(topo: Topology, cluster: str, name: str) -> None:
+    async with bnats.session(topo.nats(cluster)) as nc:
+        await nc.jsm().delete_stream(name)
+
+
+def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra: list[str]) -> list[dict[str, Any]]:
+    state = lab.up("supercluster", root, log=lambda _: None)
+    topo = load_topology(state.path / "topology.yaml")
+    servers = _pids(state, "nats")
+    print(f"jetstream: filling R3 stream SRC in east with {n:,} messages of {size} bytes", flush=True)
+
+    async def fill() -> None:
+        await _stream(topo, "east", "SRC", subjects=["bench.>"])
+        body = b"x" * size
+        async with bnats.session(topo.nats("east")) as nc, Publisher(nc, window=2048) as pub:
+            for i in range(n):
+                await pub.publish(f"bench.{i % 100}", body, msg_id=f"m{i}")
+
+    asyncio.run(fill())
+
+    async def sourcing() -> float:
+        from nats.js.api import StreamSource
+
+        t0 = time.monotonic()
+        await _stream(topo, "west", "NATIVE", sources=[StreamSource(name="SRC")])
+        while await _count(topo, "west", "NATIVE") < n:
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0
+
+    print("jetstream: server-side sourcing east -> west", flush=True)
+    with PeakRss(pids=servers) as broker:
+        seconds = asyncio.run(sourcing())
+    rows = [
+        {
+            "case": "jetstream R3 east->west",
+            "who": "stream sourcing (anchor)",
+            "messages": n,
+            "seconds": seconds,
+            "rate": n / seconds,
+            "wall": seconds,
+            "client_cpu": 0.0,
+            "broker_cpu": broker.cpu,
+            "client_rss": 0,
+            "broker_rss": broker.peak,
+        }
+    ]
+    asyncio.run(_delete(topo, "west", "NATIVE"))
+
+    cases = [("ordered", [])] + [(f"{k} partitions", ["--partitions", str(k)]) for k in partitions]
+    for i, (label, flags) in enumerate(cases):
+        dest = f"COPY{i}"
+        asyncio.run(_stream(topo, "west", dest, subjects=[f"c{i}.bench.>"]))
+        print(f"jetstream: ferry copy {label}", flush=True)
+        with PeakRss(pids=servers) as broker:
+            run = run_ferry(
+                [
+                    "copy",
+                    "jetstream://east/SRC",
+                    f"jetstream://west/{dest}",
+                    "--subject-prefix",
+                    f"c{i}.",
+                    *flags,
+                    *extra,
+                ],
+                state.path / "topology.yaml",
+            )
+        report = run["report"]
+        assert asyncio.run(_count(topo, "west", dest)) == n, f"ferry {label} did not copy everything"
+        rows.append(
+            {
+                "case": "jetstream R3 east->west",
+                "who": f"ferry copy {label}",
+                "messages": report["read"],
+                "seconds": report["seconds"],
+                "rate": report["read"] / report["seconds"],
+                "wall": run["wall"],
+                "client_cpu": run["cpu"],
+                "broker_cpu": broker.cpu,
+                "client_rss": run["peak_rss"],
+                "broker_rss": broker.peak,
+            }
+        )
+        asyncio.run(_delete(topo, "west", dest))
+    lab.down("supercluster", root, log=lambda _: None)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--size", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="100,000 messages")
+    parser.add_argument("--only", choices=["rabbitmq", "jetstream"])
+    parser.add_argument("--partitions", default="1,2,4")
+    parser.add_argument("--ferry-args", default="", help="extra arguments for every `ferry copy`")
+    args = parser.parse_args()
+    n = 100_000 if args.quick else args.messages
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
+    root.chmod(0o755)
+    os.environ["FERRY_LAB_DIR"] = str(root)
+    rows: list[dict[str, Any]] = []
+    try:
+        if args.only in (None, "rabbitmq"):
+            rows += bench_rabbitmq(root, n, args.size, args.ferry_args.split())
+        if args.only in (None, "jetstream"):
+            rows += bench_jetstream(
+                root, n, args.size, [int(k) for k in args.partitions.split(",")], args.ferry_args.split()
+            )
+    finally:
+        lab.down(root=root, log=lambda _: None)
+    print()
+    header = (
+        f"{'case':26} {'who':28} {'msgs':>9} {'msg/s':>8} {'ratio':>6} {'move s':>7} {'wall s':>7} "
+        f"{'client cpu':>10} {'broker cpu':>10} {'client rss':>10} {'broker rss':>10}"
+    )
+    print(header)
+    anchors = {r["case"]: r["rate"] for r in rows if "anchor" in r["who"]}
+    for r in rows:
+        r["ratio"] = r["rate"] / anchors[r["case"]]
+        print(
+            f"{r['case']:26} {r['who']:28} {r['messages']:>9,} {r['rate']:>8,.0f} {r['ratio']:>5.2f}x "
+            f"{r['seconds']:>7.1f} {r['wall']:>7.1f} {r['client_cpu']:>9.1f}s {r['broker_cpu']:>9.1f}s "
+            f"{mb(r['client_rss']):>10} {mb(r['broker_rss']):>10}"
+        )
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / f"copy-{int(time.time())}.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
