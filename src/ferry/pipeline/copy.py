@@ -404,7 +404,7 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
 
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
     if dst.kind == "parquet":
-        df.write.mode("errorifexists").parquet(dst.path)
+        df.write.mode("error").parquet(dst.path)  # the plan already refused a non-empty directory
         written = spark.read.parquet(dst.path).count()
         report.read = report.stored = written
         return

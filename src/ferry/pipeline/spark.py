@@ -14,9 +14,11 @@ there too (the same environment variables or secret files).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError
 
@@ -62,6 +64,7 @@ def get_session(
     if remote:
         if not remote.startswith("sc://"):
             raise ConfigError(f"--spark-remote must be an sc:// URL, got {remote!r}")
+        _reachable(remote)
         builder = SparkSession.builder.remote(remote).appName(app_name)
     else:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -78,6 +81,16 @@ def get_session(
         raise ConfigError(f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}") from None
     register(spark)
     return spark
+
+
+def _reachable(remote: str, timeout: float = 5.0) -> None:
+    """Spark Connect's client retries an unreachable server for minutes: fail fast instead."""
+    parts = urlsplit(remote.replace("sc://", "http://", 1))
+    try:
+        with socket.create_connection((parts.hostname or "localhost", parts.port or 15002), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"Spark Connect server {remote} is not reachable ({exc.strerror or exc})") from None
 
 
 def register(spark: Any) -> None:
