@@ -62,3 +62,12 @@ def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
 
 def profile_topology(state: lab.LabState) -> Topology:
     return load_topology(state.path / "topology.yaml")
+
+
+@pytest.fixture(scope="session")
+def spark():  # type: ignore[no-untyped-def]
+    from ferry.pipeline.spark import get_session
+
+    session = get_session(app_name="ferry tests")
+    yield session
+    session.stop()

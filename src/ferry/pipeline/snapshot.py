@@ -1,0 +1,91 @@
+"""`ferry snapshot SRC --out DIR`: what a stream or queue holds, as Parquet in the common schema.
+
+- a stream (``jetstream://CLUSTER/STREAM``) is read through the jetstream data
+  source; nothing changes on the stream;
+- queues (``rabbitmq://CLUSTER/VHOST/QUEUE``, ``*`` allowed) are read by one task
+  per queue that consumes every ready message without acking and then closes
+  its channels, so the broker requeues them all. The queue holds what it held,
+  but those messages now have the redelivered flag set, and a quorum queue
+  counts the read as a delivery (``x-delivery-count``): a queue with a delivery
+  limit is refused, since a snapshot could dead-letter its messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ferry.brokers.rabbitmq import Management, q
+from ferry.errors import ConfigError, UsageError
+from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
+from ferry.pipeline.rabbitmq import snapshot_queue
+from ferry.pipeline.schema import SPARK_DDL
+from ferry.pipeline.uris import parse_uri
+from ferry.topology import RabbitCluster, Topology
+
+__all__ = ["snapshot"]
+
+
+def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str, Any]:
+    src = parse_uri(source)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"snapshot directory {out} is not empty")
+    if src.kind == "jetstream":
+        plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions())
+        report = run_copy(topology, plan, spark)
+        return {"source": source, "out": str(out), "messages": report.read, "seconds": round(report.seconds, 2)}
+    if src.kind != "rabbitmq":
+        raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
+    cluster = topology.rabbitmq(src.cluster or "")
+    queues = asyncio.run(_queues(cluster, src.cluster or "", src.vhost or "/", src.queue or "*"))
+    if not queues:
+        raise ConfigError(f"{source!r}: no queue to snapshot")
+    cluster_json, name = cluster.model_dump_json(), src.cluster or ""
+
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from ferry.pipeline._common import iterate, rabbit_cluster
+
+        for batch in batches:
+            for i in batch.column(0).to_pylist():
+                vhost, queue = queues[i]
+                yield from iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
+
+    df = spark.range(0, len(queues), 1, len(queues)).mapInArrow(read, SPARK_DDL)
+    df.write.mode("error").parquet(str(out.absolute()))
+    count = spark.read.parquet(str(out.absolute())).count()
+    return {
+        "source": source,
+        "out": str(out),
+        "messages": count,
+        "queues": [f"{v}/{qn}" for v, qn in queues],
+        "note": "queues were read and requeued: their messages now carry the redelivered flag",
+    }
+
+
+async def _queues(cluster: RabbitCluster, name: str, vhost: str, queue: str) -> list[tuple[str, str]]:
+    async with Management(cluster, name=name) as m:
+        vhosts = [v["name"] for v in await m.get("/vhosts")] if vhost == "*" else [vhost]
+        found = []
+        for v in vhosts:
+            listed = await m.get(f"/queues/{q(v)}", ok404=True)
+            if listed is None:
+                raise ConfigError(f"vhost {v!r} does not exist on {name}")
+            for item in listed:
+                if queue not in ("*", item["name"]):
+                    continue
+                limit = (item.get("arguments") or {}).get("x-delivery-limit") or (
+                    item.get("effective_policy_definition") or {}
+                ).get("delivery-limit")
+                if limit:
+                    raise ConfigError(
+                        f"queue {v}/{item['name']} has a delivery limit ({limit}): a snapshot counts "
+                        "as a delivery and could dead-letter its messages; refusing"
+                    )
+                found.append((v, item["name"]))
+        if queue != "*" and not found:
+            raise ConfigError(f"queue {queue!r} not found in vhost {vhost!r} of {name}")
+    return found
