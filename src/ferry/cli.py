@@ -35,7 +35,9 @@ app = typer.Typer(
 )
 topology_app = typer.Typer(**_plain, help="Validate and probe topology files.", no_args_is_help=True)
 lab_app = typer.Typer(**_plain, help="Real brokers on 127.0.0.1 for demos, tests and benchmarks.", no_args_is_help=True)
+stream_app = typer.Typer(**_plain, help="Create, inspect and delete JetStream streams.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
+app.add_typer(stream_app, name="stream")
 app.add_typer(lab_app, name="lab")
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -151,6 +153,63 @@ def topology_smoke(
     out.print(
         f"published {result['published']} ({result['publish_rate']}/s), read back {result['read_back']} "
         f"({result['read_rate']}/s), every payload checked; temporary {what} deleted"
+    )
+
+
+# -- stream -------------------------------------------------------------------------------
+
+ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="A NATS cluster of the topology to talk to.")]
+
+
+@stream_app.command("add")
+def stream_add(
+    name: Annotated[str, typer.Argument()],
+    cluster: ClusterOpt,
+    subjects: Annotated[list[str], typer.Option("--subject", "-s", help="Subject (repeat).")],
+    replicas: Annotated[int, typer.Option(min=1, max=5)] = 3,
+    placement: Annotated[str | None, typer.Option(help="Cluster to place it in (default: --cluster).")] = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a stream placed in a cluster."""
+    from ferry.brokers import nats as bnats
+
+    topo = _topology(topology)
+    info = run(
+        bnats.stream_add(
+            topo.nats(cluster), name, subjects, replicas=replicas, placement=placement or cluster, cluster_name=cluster
+        )
+    )
+    _print_stream(info, as_json)
+
+
+@stream_app.command("info")
+def stream_info(
+    name: Annotated[str, typer.Argument()], cluster: ClusterOpt, topology: TopologyOpt = None, as_json: JsonOpt = False
+) -> None:
+    """Placement, leader, peers and state of a stream."""
+    from ferry.brokers import nats as bnats
+
+    _print_stream(run(bnats.stream_info(_topology(topology).nats(cluster), name, cluster)), as_json)
+
+
+@stream_app.command("rm")
+def stream_rm(name: Annotated[str, typer.Argument()], cluster: ClusterOpt, topology: TopologyOpt = None) -> None:
+    """Delete a stream and its messages."""
+    from ferry.brokers import nats as bnats
+
+    run(bnats.stream_delete(_topology(topology).nats(cluster), name, cluster))
+    out.print(f"stream {name} deleted")
+
+
+def _print_stream(info: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(info)
+        return
+    out.print(
+        f"stream {info['name']} ({', '.join(info['subjects'] or [])}): R{info['replicas']} in "
+        f"{info['cluster']}, leader {info['leader']}, peers {', '.join(info['peers']) or '-'}; "
+        f"{info['messages']:,} messages, seq {info['first_seq']}..{info['last_seq']}"
     )
 
 

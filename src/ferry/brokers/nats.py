@@ -146,3 +146,77 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             user, pw = (creds.user, creds.password()) if creds else (None, None)
             checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
     return list(await asyncio.gather(*checks))
+
+
+async def stream_add(
+    cluster: NatsCluster,
+    name: str,
+    subjects: list[str],
+    *,
+    replicas: int = 3,
+    placement: str | None = None,
+    tags: list[str] | None = None,
+    cluster_name: str = "",
+    duplicate_window: float | None = None,
+) -> dict:
+    """Create a stream (placed in `placement` / on `tags`); refuses one that exists."""
+    from nats.js.api import Placement, StreamConfig
+    from nats.js.errors import BadRequestError
+
+    from ferry.errors import Conflict
+
+    config = StreamConfig(
+        name=name,
+        subjects=subjects,
+        num_replicas=replicas,
+        placement=Placement(cluster=placement, tags=tags) if placement or tags else None,
+        duplicate_window=duplicate_window,
+    )
+    async with session(cluster, name=cluster_name) as nc:
+        jsm = nc.jsm()
+        try:
+            await jsm.stream_info(name)
+            raise Conflict(f"stream {name!r} already exists", stream=name)
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            info = await jsm.add_stream(config)
+        except BadRequestError as exc:
+            raise ConfigError(f"stream {name!r}: {exc.description}") from None
+    return _stream_summary(info)
+
+
+async def stream_info(cluster: NatsCluster, name: str, cluster_name: str = "") -> dict:
+    from ferry.errors import NotFound
+
+    async with session(cluster, name=cluster_name) as nc:
+        try:
+            return _stream_summary(await nc.jsm().stream_info(name))
+        except nats.js.errors.NotFoundError:
+            raise NotFound(f"stream {name!r} not found", stream=name) from None
+
+
+async def stream_delete(cluster: NatsCluster, name: str, cluster_name: str = "") -> None:
+    from ferry.errors import NotFound
+
+    async with session(cluster, name=cluster_name) as nc:
+        try:
+            await nc.jsm().delete_stream(name)
+        except nats.js.errors.NotFoundError:
+            raise NotFound(f"stream {name!r} not found", stream=name) from None
+
+
+def _stream_summary(info: Any) -> dict:
+    c = info.cluster
+    return {
+        "name": info.config.name,
+        "subjects": info.config.subjects,
+        "replicas": info.config.num_replicas,
+        "cluster": c.name if c else None,
+        "leader": c.leader if c else None,
+        "peers": [r.name for r in (c.replicas or [])] if c else [],
+        "messages": info.state.messages,
+        "bytes": info.state.bytes,
+        "first_seq": info.state.first_seq,
+        "last_seq": info.state.last_seq,
+    }

@@ -13,9 +13,12 @@ there too (the same environment variables or secret files).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -75,12 +78,34 @@ def get_session(
         for key, value in {**_LOCAL_CONF, **quiet, **conf}.items():
             builder = builder.config(key, value)
     try:
-        spark = builder.getOrCreate()
+        with _jvm_output_to(spark_log()):
+            spark = builder.getOrCreate()
     except Exception as exc:  # the JVM failed to start or the remote is unreachable
         where = remote or master or "local[*]"
-        raise ConfigError(f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}", hint=f"see {spark_log()}"
+        ) from None
     register(spark)
     return spark
+
+
+def spark_log() -> Path:
+    """Where the local JVM and its Python workers write their own output (not the terminal)."""
+    return Path(tempfile.gettempdir()) / f"ferry-spark-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def _jvm_output_to(path: Path) -> Iterator[None]:
+    """Point fd 2 at `path` while the JVM starts: the JVM (and every worker it forks) inherits it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
 
 
 def _reachable(remote: str, timeout: float = 5.0) -> None:
