@@ -35,7 +35,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check
 
 bench: setup
-	@for b in $(wildcard bench/*.py); do echo "== $$b"; $(PY) $$b --quick || exit 1; done
+	@for b in $(basename $(notdir $(filter-out bench/_% bench/__init__.py,$(wildcard bench/*.py)))); do \
+	  echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
 
 clean:
 	-$(VENV)/bin/ferry lab down

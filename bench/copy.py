@@ -12,30 +12,23 @@ Spark session start-up, which is reported separately as wall time). CPU: the
 client process tree (ferry's driver, JVM and Python workers), and the brokers'
 own processes, measured over the same interval.
 
-    .venv/bin/python bench/copy.py                 # 1,000,000 messages of 100 bytes
-    .venv/bin/python bench/copy.py --quick         # 100,000
+    .venv/bin/python -m bench.copy                 # 1,000,000 messages of 100 bytes
+    .venv/bin/python -m bench.copy --quick         # 100,000
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-# this file is named like the standard library's `copy`: look in the stdlib first
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
 
 import argparse
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _util import PeakRss, mb, run_ferry, tree
-
+from bench._util import PeakRss, mb, run_ferry, tree
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, q

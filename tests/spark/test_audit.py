@@ -71,7 +71,7 @@ def _tier(
             {
                 "subject": led["subject"],
                 "payload": payload,
-                "headers": [("Ferry-Id", led["id"])],
+                "headers": [("Ferry-Id", led["id"]), ("Ferry-Sent", str(led["sent_ns"]))],
                 "msg_id": led["id"],
                 "source": "t/S",
                 "source_seq": pos,

@@ -1,7 +1,7 @@
 """`ferry audit`: reconcile a load ledger with what each tier holds (a Spark job).
 
-For each tier (a snapshot directory, or a ``jetstream://`` / ``rabbitmq://`` URI
-read on the fly) and each message id of the ledger:
+For each tier (a snapshot directory, or a ``jetstream://`` URI read on the fly;
+queues are snapshotted first) and each message id of the ledger:
 
 - lost: expected (acked, or sent fire-and-forget) but absent; reported as
   ``lost_acked`` and ``lost_not_asked``; ``absent_after_error`` (the producer
@@ -17,7 +17,9 @@ read on the fly) and each message id of the ledger:
 - all of it per time bucket of send time (default 10 s).
 
 The tier's message id is the ``Ferry-Id`` header, else the message id
-(``Nats-Msg-Id`` / AMQP ``message_id``).
+(``Nats-Msg-Id`` / AMQP ``message_id``); ids are ferry load's
+``<run>-p<producer>-<seq>``, which gives the producer and its sequence for the
+reorder check. Delays use the ``Ferry-Sent`` header (``x-ferry-sent``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 
 from ferry.errors import ConfigError, NotFound
 
-__all__ = ["audit", "tier_frame"]
+__all__ = ["audit", "tier_frame", "verdict"]
+
+_DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
@@ -58,94 +62,66 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
 def audit(
     spark: Any, ledger: str, tiers: dict[str, Any], bucket_s: int = 10, max_listed: int = 10_000
 ) -> dict[str, Any]:
-    """The reconciliation report (plain data, ready for JSON, tables and HTML)."""
+    """The reconciliation report (plain data, ready for JSON, tables and HTML).
+
+    Plan per tier: the tier alone gives each copy's reorder flag (a window per
+    source, subject and producer; producer and sequence are part of every ferry
+    message id) and its delay (the ``Ferry-Sent`` header); copies are then
+    aggregated per id and joined once with the ledger (a shuffled hash join);
+    three small collects read the result (per bucket, overall statistics and
+    the delay histogram, the faulty ids).
+    """
     from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     if not Path(ledger).exists():
         raise NotFound(f"ledger {ledger!r} does not exist")
-    led = (
-        spark.read.parquet(ledger)
-        .select(
-            "id",
-            "producer",
-            "seq",
-            "sent_ns",
-            "outcome",
-            F.col("hash").alias("l_hash"),
-            (F.floor(F.col("sent_ns") / (bucket_s * 1_000_000_000)) * bucket_s).cast("long").alias("bucket"),
-        )
-        .persist(StorageLevel.MEMORY_AND_DISK)
+    led = spark.read.parquet(ledger).select(
+        "id",
+        "sent_ns",
+        "outcome",
+        F.col("hash").alias("l_hash"),
+        (F.floor(F.col("sent_ns") / (bucket_s * 1_000_000_000)) * bucket_s).cast("long").alias("bucket"),
     )
-    ledger_totals = (
-        led.groupBy()
-        .agg(
-            F.count("*").alias("sent"),
-            F.sum((F.col("outcome") == "acked").cast("long")).alias("acked"),
-            F.sum((F.col("outcome") == "error").cast("long")).alias("errors"),
-            F.sum((F.col("outcome") == "not_asked").cast("long")).alias("not_asked"),
-            F.min("sent_ns").alias("first_ns"),
-            F.max("sent_ns").alias("last_ns"),
-        )
-        .collect()[0]
-        .asDict()
-    )
-    report: dict[str, Any] = {
-        "ledger": ledger,
-        "bucket_s": bucket_s,
-        "sent": {k: int(v or 0) for k, v in ledger_totals.items()},
-        "tiers": {},
-    }
+    report: dict[str, Any] = {"ledger": ledger, "bucket_s": bucket_s, "tiers": {}}
+
+    def n(cond: Any) -> Any:
+        return F.sum(cond.cast("long"))
 
     for name, frame in tiers.items():
-        tier = frame.select(
-            F.coalesce(F.col("headers")["Ferry-Id"], F.col("msg_id")).alias("id"),
+        ident = F.coalesce(F.col("headers")["Ferry-Id"], F.col("msg_id"))
+        sent = F.coalesce(F.col("headers")["Ferry-Sent"], F.col("headers")["x-ferry-sent"]).try_cast("long")
+        stored_us = F.unix_micros(F.when(F.col("properties").isNull(), F.col("timestamp")))
+        copies = frame.select(
+            ident.alias("id"),
             "source",
             F.col("source_seq").alias("pos"),
             F.col("subject").alias("t_subject"),
             F.substring(F.sha2(F.col("payload"), 256), 1, 16).alias("t_hash"),
-            F.when(F.col("properties").isNull(), F.col("timestamp")).alias("stored_at"),
+            F.regexp_extract(ident, r"-p(\d+)-\d+$", 1).alias("producer"),
+            F.regexp_extract(ident, r"-p\d+-(\d+)$", 1).try_cast("long").alias("seq"),
+            ((stored_us * 1000 - sent) / 1e6).alias("delay_ms"),
         )
-        tl = tier.join(led.select("id", "l_hash", "producer", "seq", "sent_ns"), "id", "left")
-        inversion = (
-            Window.partitionBy("source", "t_subject", "producer")
-            .orderBy("pos")
-            .rowsBetween(Window.unboundedPreceding, -1)
+        earlier = Window.partitionBy("source", "t_subject", "producer").orderBy("pos")
+        earlier = earlier.rowsBetween(Window.unboundedPreceding, -1)
+        copies = copies.withColumn("reordered", F.coalesce(F.col("seq") < F.max("seq").over(earlier), F.lit(False)))
+        per_id = copies.groupBy("id").agg(
+            F.count("*").alias("copies"),
+            F.min("t_hash").alias("h_min"),
+            F.max("t_hash").alias("h_max"),
+            F.max(F.col("reordered").cast("int")).alias("reord"),
+            F.min("delay_ms").alias("delay_ms"),  # the first arrival
         )
-        tl = tl.withColumns(
-            {
-                "known": F.col("l_hash").isNotNull(),
-                "corrupted": F.col("l_hash").isNotNull() & (F.col("t_hash") != F.col("l_hash")),
-                "reordered": F.coalesce(F.col("seq") < F.max("seq").over(inversion), F.lit(False)),
-                "delay_ms": (F.unix_micros("stored_at") * 1000 - F.col("sent_ns")) / 1e6,
-            }
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        per_id = (
-            tl.where("known")
-            .groupBy("id")
-            .agg(
-                F.count("*").alias("copies"),
-                F.max(F.col("corrupted").cast("int")).alias("corrupt"),
-                F.max(F.col("reordered").cast("int")).alias("reord"),
-            )
+        corrupt = (F.col("h_min") != F.col("l_hash")) | (F.col("h_max") != F.col("l_hash"))
+        joined = led.join(per_id.hint("shuffle_hash"), "id", "full_outer").withColumns(
+            {"known": F.col("outcome").isNotNull(), "present": F.col("copies").isNotNull(), "corrupt": corrupt}
         )
-        lc = (
-            led.join(per_id, "id", "left")
-            .withColumns(
-                {
-                    "present": F.col("copies").isNotNull(),
-                    "expected": F.col("outcome").isin("acked", "not_asked"),
-                }
-            )
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
-
-        def n(cond: Any) -> Any:
-            return F.sum(cond.cast("long"))
+        joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
 
         buckets = (
-            lc.groupBy("bucket")
+            joined.where("known")
+            .groupBy("bucket")
             .agg(
                 F.count("*").alias("sent"),
                 n(F.col("outcome") == "acked").alias("acked"),
@@ -155,8 +131,9 @@ def audit(
                 n(~F.col("present") & (F.col("outcome") == "error")).alias("absent_after_error"),
                 n(F.col("copies") > 1).alias("duplicated"),
                 F.sum(F.greatest(F.col("copies") - 1, F.lit(0))).alias("extra_copies"),
-                n(F.col("corrupt") == 1).alias("corrupted"),
+                n(F.col("corrupt")).alias("corrupted"),
                 n(F.col("reord") == 1).alias("reordered"),
+                F.sum(F.coalesce(F.col("copies"), F.lit(0))).alias("copies_held"),
             )
             .orderBy("bucket")
             .collect()
@@ -165,55 +142,71 @@ def audit(
         totals = {k: sum(r[k] for r in rows) for k in rows[0] if k != "bucket"} if rows else {}
         totals["lost"] = totals.get("lost_acked", 0) + totals.get("lost_not_asked", 0)
 
-        extra = (
-            tl.groupBy()
+        bins = F.pow(F.lit(2), F.ceil(F.log2(F.greatest(F.col("delay_ms"), F.lit(1.0)))))
+        stats = (
+            joined.groupBy()
             .agg(
-                n(~F.col("known")).alias("unexpected"),
-                F.count("*").alias("tier_messages"),
+                F.sum(F.when(~F.col("known"), F.col("copies"))).alias("unexpected"),
                 F.percentile_approx("delay_ms", [0.5, 0.9, 0.99], 1000).alias("pcts"),
                 F.max("delay_ms").alias("max"),
                 F.count("delay_ms").alias("delays"),
+                *(n(bins == 2**k).alias(f"le{2**k}") for k in range(_DELAY_BINS)),
+                n(bins > 2 ** (_DELAY_BINS - 1)).alias("beyond"),
             )
             .collect()[0]
         )
         delay = None
-        if extra["delays"]:
-            p50, p90, p99 = extra["pcts"]
+        if stats["delays"]:
+            p50, p90, p99 = stats["pcts"]
+            hist = [{"le_ms": 2**k, "count": int(stats[f"le{2**k}"] or 0)} for k in range(_DELAY_BINS)]
+            hist.append({"le_ms": int(stats["max"]) + 1, "count": int(stats["beyond"] or 0)})
+            while hist and hist[-1]["count"] == 0:
+                hist.pop()
             delay = {
                 "p50_ms": round(p50, 2),
                 "p90_ms": round(p90, 2),
                 "p99_ms": round(p99, 2),
-                "max_ms": round(extra["max"], 2),
+                "max_ms": round(stats["max"], 2),
+                "histogram": hist,
             }
-            delay["histogram"] = [
-                {"le_ms": int(r["le"]), "count": int(r["count"])}
-                for r in tl.where(F.col("delay_ms").isNotNull())
-                .select(F.pow(F.lit(2), F.ceil(F.log2(F.greatest(F.col("delay_ms"), F.lit(1.0))))).alias("le"))
-                .groupBy("le")
-                .count()
-                .orderBy("le")
-                .collect()
-            ]
 
-        def listed(cond: str, frame: Any = lc) -> list[dict[str, Any]]:
-            return [
-                r.asDict() for r in frame.where(cond).select("id", "bucket").orderBy("id").limit(max_listed).collect()
-            ]
+        lost = ~F.col("present") & F.col("outcome").isin("acked", "not_asked")
+        faulty = (
+            joined.where(~F.col("known") | lost | (F.col("copies") > 1) | F.col("corrupt"))
+            .select("id", "bucket", "known", lost.alias("lost"), (F.col("copies") > 1).alias("dup"), "corrupt")
+            .limit(4 * max_listed)
+            .collect()
+        )
+        faulty.sort(key=lambda r: r["id"])
+
+        def listed(flag: str, rows: list[Any] = faulty) -> list[dict[str, Any]]:
+            return [{"id": r["id"], "bucket": r["bucket"]} for r in rows if r[flag]][:max_listed]
 
         report["tiers"][name] = {
             **totals,
-            "unexpected": int(extra["unexpected"] or 0),
-            "tier_messages": int(extra["tier_messages"] or 0),
+            "unexpected": int(stats["unexpected"] or 0),
+            "tier_messages": totals.get("copies_held", 0) + int(stats["unexpected"] or 0),
             "delay": delay,
             "buckets": rows,
-            "lost_ids": listed("NOT present AND outcome IN ('acked', 'not_asked')"),
-            "duplicated_ids": listed("copies > 1"),
-            "corrupted_ids": listed("corrupt = 1"),
-            "unexpected_ids": [r["id"] for r in tl.where("NOT known").select("id").limit(100).collect()],
+            "lost_ids": listed("lost"),
+            "duplicated_ids": listed("dup"),
+            "corrupted_ids": listed("corrupt"),
+            "unexpected_ids": [r["id"] for r in faulty if not r["known"]][:100],
         }
-        tl.unpersist()
-        lc.unpersist()
-    led.unpersist()
+        joined.unpersist()
+    totals = (
+        led.groupBy()
+        .agg(
+            F.count("*").alias("sent"),
+            n(F.col("outcome") == "acked").alias("acked"),
+            n(F.col("outcome") == "error").alias("errors"),
+            n(F.col("outcome") == "not_asked").alias("not_asked"),
+            F.min("sent_ns").alias("first_ns"),
+            F.max("sent_ns").alias("last_ns"),
+        )
+        .collect()[0]
+    )
+    report["sent"] = {k: int(v or 0) for k, v in totals.asDict().items()}
     return report
 
 
