@@ -192,7 +192,8 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
     while True:
         for p in state.procs:
             if not p.alive():
-                raise FerryError(f"lab {state.profile}: {p.name} exited during start-up; see {p.log}")
+                why = _last_log_line(p.log)
+                raise FerryError(f"lab {state.profile}: {p.name} exited during start-up ({why}); see {p.log}")
         health = state.health()
         bad = {k: v for k, v in health.items() if v != "ok"}
         if not bad:
@@ -202,6 +203,16 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
             log = state.proc(name).log
             raise FerryError(f"lab {state.profile}: {name} not healthy after {timeout:.0f}s: {why}; see {log}")
         time.sleep(0.25)
+
+
+def _last_log_line(log: str) -> str:
+    """The last fatal/error line of a server log, else its last line (what `up` quotes on failure)."""
+    try:
+        lines = [ln.strip() for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if "[FTL]" in ln or "[ERR]" in ln or "error" in ln.lower()]
+    return (errors or lines or ["empty log"])[-1][-200:]
 
 
 def _stop(states: list[LabState]) -> None:

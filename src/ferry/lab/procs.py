@@ -7,6 +7,7 @@ process start time from /proc and nothing is signalled unless both match.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -124,14 +125,35 @@ def group_members(pgid: int) -> list[int]:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
+    """n distinct free TCP ports on 127.0.0.1, below the kernel's ephemeral range.
+
+    Ports from bind(0) come from the ephemeral range, where an outgoing connection
+    (a route or gateway dialling out while the lab starts) can take a port before
+    the server meant to listen on it is up. Ports are held open together so none repeats.
+    """
+    low, high = 20000, _ephemeral_low()
+    rng = random.SystemRandom()
     with ExitStack() as stack:
-        ports = []
-        for _ in range(n):
+        ports: list[int] = []
+        while len(ports) < n:
+            port = rng.randrange(low, high)
+            if port in ports:
+                continue
             s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
         return ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 21000)
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
