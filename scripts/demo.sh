@@ -1,24 +1,42 @@
 #!/usr/bin/env bash
-# The demo: a real super-cluster on 127.0.0.1, a load with a ledger, and the audit that proves it.
+# The demo: a real super-cluster on 127.0.0.1; a stream moved from east to west under core and
+# JetStream load, then the audit that proves nothing was lost or duplicated.
 set -euo pipefail
 export FERRY_LAB_DIR="${FERRY_LAB_DIR:-$PWD/.ferry-lab}"
 OUT="${FERRY_DEMO_OUT:-$PWD/demo-out}"
+RATE="${FERRY_DEMO_RATE:-3500}"
 rm -rf "$OUT" && mkdir -p "$OUT"
+export FERRY_STATE_DIR="$OUT/state"
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
 
 step ferry lab up supercluster
 trap 'step ferry lab down' EXIT
 step ferry topology check "$FERRY_LAB_DIR/topology.yaml"
-step ferry stream add ORDERS --cluster east --subject 'orders.>' --replicas 3
+step ferry stream add ORDERS --cluster east --placement east --subject 'orders.>' --replicas 3
 
-# producers on west publish into the stream placed in east, in the background
-step ferry load jetstream://west --subject 'orders.{n}' --producers 2 --rate 3500 --duration 10 \
-     --ledger "$OUT/ledger" &
-LOAD=$!
-step ferry stream info ORDERS --cluster east
-wait "$LOAD"
+# producers on west: fire-and-forget core publishes (no msg id) and JetStream publishes with retries
+step ferry load nats://west --subject 'orders.core.{n}' --no-msg-id --rate "$RATE" --duration 14 \
+     --ledger "$OUT/ledger/kind=core" &
+CORE=$!
+step ferry load jetstream://west --subject 'orders.js.{n}' --producers 2 --rate "$RATE" --duration 14 \
+     --ledger "$OUT/ledger/kind=js" &
+JS=$!
+sleep 4
+step ferry move ORDERS --to west
+wait "$CORE" "$JS"
 
-step ferry snapshot jetstream://east/ORDERS --out "$OUT/snapshot"
-step ferry audit --ledger "$OUT/ledger" --tier east="$OUT/snapshot" --html "$OUT/audit.html"
-echo
+step ferry move --status ORDERS --json > "$OUT/move.json"
+step ferry audit --ledger "$OUT/ledger" --tier west=jetstream://west/ORDERS --html "$OUT/audit.html" --json \
+     > "$OUT/audit.json"
+python - "$OUT/move.json" "$OUT/audit.json" <<'PY'
+import json, sys
+move = json.load(open(sys.argv[1]))["result"]
+audit = json.load(open(sys.argv[2]))
+west = audit["tiers"]["west"]
+print(f"\nmoved ORDERS {move['from']} -> {move['cluster']} under load: sent {west['sent']:,}, "
+      f"lost {west['lost']}, duplicated {west['extra_copies']}, "
+      f"unavailability window {move['unavailable_s'] * 1000:.1f} ms, move took {move['took_s']:.1f} s "
+      f"(guard re-published {move['reinjected']} the stream missed)")
+sys.exit(0 if audit["pass"] and west["lost"] == 0 and west["extra_copies"] == 0 else 1)
+PY
 echo "audit report: $OUT/audit.html"

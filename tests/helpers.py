@@ -50,7 +50,8 @@ def ferry_killed_when(condition: Callable[[], bool], *args: str, topology: Path,
                 raise AssertionError("condition for the kill never held")
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
 
 

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -66,8 +65,6 @@ def print_json(data: Any) -> None:
 
 
 def _lab_dir(path: Path | None) -> Path | None:
-    if path:
-        os.environ["FERRY_LAB_DIR"] = str(path.absolute())
     return path.absolute() if path else None
 
 
@@ -336,6 +333,162 @@ def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[
         yield advance
 
 
+# -- move ------------------------------------------------------------------------------------
+
+
+@app.command("move")
+def move_cmd(
+    stream: Annotated[str | None, typer.Argument(help="Stream to move (or --streams GLOB).")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="Destination cluster.")] = None,
+    to_tags: Annotated[str | None, typer.Option("--to-tags", help="Destination server tags, comma-separated.")] = None,
+    streams: Annotated[str | None, typer.Option("--streams", help="Move every stream matching this glob.")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Streams moved at once (one move per stream).")] = 1,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds before the move is cancelled.")] = 600.0,
+    guard: Annotated[bool, typer.Option(help="Capture the stream's subjects and re-publish what it misses.")] = True,
+    cancel: Annotated[bool, typer.Option("--cancel", help="Cancel STREAM's move in progress.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Show STREAM's last move as journaled.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Preflight and print the plan; change nothing.")] = False,
+    via: Annotated[
+        str | None, typer.Option("--via", help="Topology cluster to connect through (default: the first NATS one).")
+    ] = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move JetStream streams to another cluster of the super-cluster, losing nothing."""
+    from ferry.errors import UsageError
+    from ferry.ops import move as mv
+
+    topo = _topology(topology)
+    cluster = topo.nats(via) if via else _first_nats(topo)
+    if status:
+        if not stream:
+            raise UsageError("--status needs the STREAM")
+        state = run(mv.status(cluster, stream))
+        if as_json:
+            print_json(state)
+        else:
+            r = state.get("result") or {}
+            out.print(
+                f"{stream}: {state.get('phase')} ({state.get('from')} -> {state.get('to')}), "
+                f"move {state.get('move_id')}"
+                + (f"; {r.get('outcome')} in {r.get('took_s')}s, re-published {r.get('reinjected', 0)}" if r else "")
+            )
+        return
+    if cancel:
+        if not stream:
+            raise UsageError("--cancel needs the STREAM")
+        result = run(mv.cancel(cluster, stream))
+        print_json(result) if as_json else out.print(
+            f"cancel of {stream}'s move requested; it returns to {result['cluster']}"
+        )
+        return
+    if bool(stream) == bool(streams):
+        raise UsageError("give one STREAM or --streams GLOB")
+    if bool(to) == bool(to_tags):
+        raise UsageError("give one of --to CLUSTER or --to-tags TAG,...")
+    tags = [t.strip() for t in (to_tags or "").split(",") if t.strip()]
+    req = mv.MoveRequest(stream=stream or "", to=to, to_tags=tags, timeout=timeout, guard=guard, dry_run=dry_run)
+    emit = _json_events if as_json else _print_event
+
+    async def go() -> list[dict[str, Any]]:
+        with mv.StopOnSignal() as stop:
+            if streams:
+                return await mv.move_many(cluster, streams, req, concurrency, emit, stop.event)
+            return [await mv.move(cluster, req, emit, stop.event)]
+
+    results = run(go())
+    if as_json:
+        print_json(results if streams else results[0])
+    failed = [r for r in results if r.get("outcome") not in ("moved", "dry-run", "already there")]
+    failed += [r for r in results if r.get("verify") and not r["verify"]["ok"]]
+    if failed:
+        from ferry.errors import OperationFailed
+
+        raise OperationFailed("; ".join(f"{r['stream']}: {r.get('error') or r.get('outcome')}" for r in failed))
+
+
+def _first_nats(topo: Any) -> Any:
+    from ferry.errors import ConfigError
+
+    for _, _name, c in topo.clusters():
+        if c.kind == "nats":
+            return c
+    raise ConfigError("the topology has no NATS cluster")
+
+
+def _json_events(event: str, **data: Any) -> None:
+    err.print(json.dumps({"event": event, "t": round(time.time(), 3), **data}, default=str), highlight=False)
+
+
+def _print_event(event: str, **data: Any) -> None:
+    who = f"{data['stream']}: " if "stream" in data and event not in ("plan", "done") else ""
+    if event == "plan":
+        line = (
+            f"plan: {data['stream']} R{data['replicas']} {data['messages']:,} msgs {data['bytes']:,} B "
+            f"from {data['from']} to {data['to']}"
+        )
+        if data.get("nothing_to_do"):
+            line += " (already there)"
+        for w in data.get("warnings", []):
+            line += f"\nwarning: {w}"
+    elif event == "progress":
+        ps = " ".join(_peer(p) for p in data["peers"])
+        line = f"{data['at_s']:>6.2f}s peers {ps} last_seq {data['last_seq']:,}"
+    elif event == "leader":
+        line = f"{data['at_s']:>6.2f}s leader {data['previous']} -> {data['leader']}"
+    elif event == "guard" and "captured" in data:
+        line = (
+            f"guard: heard {data['captured']:,}, stream missed {data['missed']:,}, "
+            f"re-published {data['reinjected']:,}; unavailable {data['unavailable_s'] * 1000:.1f} ms"
+        )
+    elif event == "verify":
+        line = "verify: ok" if data["ok"] else "verify: " + "; ".join(data["problems"])
+    elif event == "done":
+        line = (
+            f"{data['outcome']}: {data['stream']} now in {data.get('cluster')} on {', '.join(data.get('peers', []))} "
+            f"in {data.get('took_s', 0):.2f}s"
+        )
+    else:
+        line = f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items() if k != "stream")
+    err.print(who + line, highlight=False)
+
+
+def _peer(p: dict[str, Any]) -> str:
+    mark = "*" if p.get("leader") else ""
+    return p["name"] + mark + ("" if p["current"] else f"(lag {p['lag']})")
+
+
+repair_app = typer.Typer(**_plain, help="Repair what a broker left broken.", no_args_is_help=True)
+app.add_typer(repair_app, name="repair")
+
+
+@repair_app.command("consumers")
+def repair_consumers_cmd(
+    stream: Annotated[str, typer.Argument(help="Stream whose durable consumers to check.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be recreated; change nothing.")] = False,
+    via: Annotated[str | None, typer.Option("--via", help="Topology cluster to connect through.")] = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recreate durable consumers left pointing past the stream's last sequence (a sequence reset)."""
+    from ferry.ops import move as mv
+
+    topo = _topology(topology)
+    cluster = topo.nats(via) if via else _first_nats(topo)
+    fixes = run(mv.repair_consumers(cluster, stream, dry_run=dry_run))
+    if as_json:
+        print_json(fixes)
+        return
+    if not fixes:
+        out.print(f"{stream}: every durable consumer is within the stream")
+    for f in fixes:
+        verb = "would recreate" if dry_run else "recreated"
+        out.print(
+            f"{verb} {f['consumer']}: delivered {f['delivered']}, ack floor {f['ack_floor']} past last seq "
+            f"{f['last_seq']}; now starts at {f['restart_at']}"
+        )
+
+
 # -- proof: load, snapshot, audit -----------------------------------------------------------
 
 
@@ -552,13 +705,13 @@ def lab_status(dir: DirOpt = None, as_json: JsonOpt = False) -> None:
     """Each lab server: pid, ports, health."""
     from ferry import lab
 
-    _lab_dir(dir)
-    rows = lab.status()
+    root = _lab_dir(dir)
+    rows = lab.status(root)
     if as_json:
         print_json(rows)
         return
     if not rows:
-        out.print(f"no lab is running under {lab.lab_root()}")
+        out.print(f"no lab is running under {root or lab.lab_root()}")
         return
     table = Table("profile", "server", "kind", "pid", "ports", "health")
     for r in rows:

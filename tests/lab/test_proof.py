@@ -61,7 +61,7 @@ def test_load_snapshot_audit_and_named_losses(
     nats_topo, rabbit_topo = profile_topology(supercluster), profile_topology(rabbit_dr)
     asyncio.run(make_stream(nats_topo, "east", "PROOF", ["proof.>"], placement="east"))
     asyncio.run(make_queues(rabbit_topo, "ltm", "/", ["proof-q"], quorum=set()))
-    topology = lab.lab_root() / "topology.yaml"  # both profiles
+    topology = supercluster.path.parent / "topology.yaml"  # both profiles
 
     js = ferry(
         "load",

@@ -52,6 +52,7 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
             .option("cluster", topology.nats(src.cluster).model_dump_json())
             .option("cluster_name", src.cluster)
             .option("stream", src.stream)
+            .option("subject", src.subject or "")
             .load()
         )
     raise ConfigError(
@@ -177,10 +178,10 @@ def audit(
             .limit(4 * max_listed)
             .collect()
         )
-        faulty.sort(key=lambda r: r["id"])
+        faulty.sort(key=lambda r: r["id"] or "")
 
         def listed(flag: str, rows: list[Any] = faulty) -> list[dict[str, Any]]:
-            return [{"id": r["id"], "bucket": r["bucket"]} for r in rows if r[flag]][:max_listed]
+            return [{"id": r["id"], "bucket": r["bucket"]} for r in rows if r[flag] and r["known"]][:max_listed]
 
         report["tiers"][name] = {
             **totals,
@@ -191,7 +192,7 @@ def audit(
             "lost_ids": listed("lost"),
             "duplicated_ids": listed("dup"),
             "corrupted_ids": listed("corrupt"),
-            "unexpected_ids": [r["id"] for r in faulty if not r["known"]][:100],
+            "unexpected_ids": [r["id"] or "(no Ferry-Id)" for r in faulty if not r["known"]][:100],
         }
         joined.unpersist()
     totals = (

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import re
 import threading
 import time
@@ -200,10 +201,11 @@ async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, An
         vhosts = [v["name"] for v in await m.get("/vhosts")] if src.vhost == "*" else [src.vhost or "/"]
         out = []
         for vhost in vhosts:
-            if src.queue == "*":
+            if "*" in (src.queue or ""):
                 listed = await m.get(f"/queues/{q(vhost)}", ok404=True)
                 if listed is None:
                     raise NotFound(f"{src}: vhost {vhost!r} does not exist")
+                listed = [i for i in listed if fnmatch.fnmatchcase(i["name"], src.queue or "*")]
             else:
                 one = await m.get(f"/queues/{q(vhost)}/{q(src.queue or '')}", ok404=True)
                 if one is None:

@@ -2,7 +2,7 @@
 
 - ``jetstream://CLUSTER/STREAM[?subject=FILTER&start_seq=N&end_seq=M]``
 - ``rabbitmq://CLUSTER/VHOST/QUEUE``: VHOST and QUEUE URL-encoded (``%2F`` is
-  the default vhost ``/``); QUEUE ``*`` is every queue of the vhost, VHOST ``*``
+  the default vhost ``/``); QUEUE ``*`` is every queue of the vhost (``orders-*``: those matching), VHOST ``*``
   every vhost. As a destination, QUEUE may be omitted or ``*`` (same names as
   the source), or ``?exchange=NAME`` publishes to an exchange instead.
 - ``parquet:///absolute/dir`` or ``parquet://relative/dir``

@@ -1,0 +1,213 @@
+"""Benchmark: a native placement move against `ferry move`, same stream size, same load, same run.
+
+For each rate (3,500 msg/s, and as fast as the machine allows) and each mover:
+an R3 stream in east, prefilled; producers on west publish fire-and-forget core
+messages (no msg id) and JetStream messages without retries (a producer that
+does not retry), each at the rate; after 3 s the stream is moved to west.
+
+- lost: ledger messages (core, and JetStream ones that were acked) absent from
+  the stream afterwards (counted by Ferry-Id, as the audit does)
+- failed publishes: JetStream publishes that got an error or no ack
+- unavailability window: the longest time publishes arrived and the stream
+  stored none (measured from a capture of the stream's subjects; for ferry its
+  own guard, for native an identical capture that re-publishes nothing)
+- move time: native, from the placement update until the stream is led and
+  current on west only; ferry, the whole `move()` call (preflight, guard,
+  re-publish, verification included)
+
+Target: ferry 0 lost at both rates, window no longer than native's, total time
+<= 1.5x native's.
+
+    .venv/bin/python -m bench.move            # 40,000 prefilled messages, 3 runs per case
+    .venv/bin/python -m bench.move --quick    # 5,000, 1 run per case
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.ops import move as mv
+from ferry.pipeline.jetstream import Range, ReadConfig, read_range
+from ferry.publish import Publisher
+from ferry.topology import Topology, load_topology
+
+LOAD_S = 10
+
+
+async def make(topo: Topology, name: str, prefill: int) -> None:
+    async with bnats.session(topo.nats("east")) as nc:
+        with contextlib.suppress(Exception):  # not there yet
+            await mv.api(nc, f"$JS.API.STREAM.DELETE.{name}")
+        cfg = {
+            "name": name,
+            "subjects": [f"{name.lower()}.>"],
+            "num_replicas": 3,
+            "storage": "file",
+            "placement": {"cluster": "east"},
+        }
+        await mv.api(nc, f"$JS.API.STREAM.CREATE.{name}", cfg)
+        async with Publisher(nc, window=1024) as pub:
+            for i in range(prefill):
+                await pub.publish(f"{name.lower()}.fill", i.to_bytes(8, "big") * 125)
+
+
+def loads(topology: Path, name: str, rate: int | None, out: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    paced = ["--rate", str(rate)] if rate else []
+    common = ["--duration", str(LOAD_S), *paced]
+    ferry = [sys.executable, "-m", "ferry.cli", "load"]
+    core = [
+        *ferry,
+        "nats://west",
+        "--subject",
+        f"{name.lower()}.core.{{n}}",
+        "--no-msg-id",
+        "--ledger",
+        str(out / "core"),
+    ]
+    js = [
+        *ferry,
+        "jetstream://west",
+        "--subject",
+        f"{name.lower()}.js.{{n}}",
+        "--no-retry",
+        "--ledger",
+        str(out / "js"),
+    ]
+    return [subprocess.Popen([*c, *common], env=env, stdout=subprocess.DEVNULL) for c in (core, js)]
+
+
+async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]:
+    async with bnats.session(topo.nats("west")) as nc:
+        info = await mv.stream_info(nc, name)
+        seq0 = info["state"]["last_seq"]
+        guard = mv.Guard(nc, info["config"]["subjects"], capture_dir / "capture-native.arrow")
+        await guard.start()
+        west = {f"west-{i}" for i in (1, 2, 3)}
+        t0 = time.monotonic()
+        await mv.api(nc, f"$JS.API.STREAM.UPDATE.{name}", {**info["config"], "placement": {"cluster": "west"}})
+        while True:
+            with_info = await mv.stream_info(nc, name, timeout=2)
+            if mv._in(with_info, west):
+                break
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t0
+        await asyncio.sleep(1.0)  # as ferry's settle: what is in flight lands
+        await guard.stop()
+        return {"took_s": took, **await window(topo, nc, name, seq0, capture_dir)}
+
+
+async def window(topo: Topology, nc: Any, name: str, seq0: int, capture_dir: Path) -> dict[str, Any]:
+    last = (await mv.stream_info(nc, name))["state"]["last_seq"]
+    captured = mv.read_captures(capture_dir)
+    stored = await mv.stored_since(topo.nats("west"), name, seq0, last)
+    rows, first = mv.missing(captured, stored)
+    when = dict(stored)
+    recv = captured.column("recv_ns").to_pylist()
+    pairs = [when[i] - recv[r] for i, r in first.items() if i in when]
+    offset = int(median(pairs)) if pairs else 0
+    return {"unavailable_s": mv.unavailable_window(recv, [t for _, t in stored], offset), "missed": len(rows)}
+
+
+async def held_ids(topo: Topology, name: str) -> set[str]:
+    cfg = ReadConfig(cluster=topo.nats("west").model_dump_json(), name="west", streams=(name,))
+    async with bnats.session(topo.nats("west")) as nc:
+        st = (await mv.stream_info(nc, name))["state"]
+    ids: set[str] = set()
+    async for batch in read_range(cfg, Range(name, st["first_seq"], st["last_seq"], 2000)):
+        for h in batch.column("headers").to_pylist():
+            for k, v in h or []:
+                if k == "Ferry-Id":
+                    ids.add(v)
+    return ids
+
+
+def tally(topo: Topology, name: str, out: Path) -> dict[str, int]:
+    ids = asyncio.run(held_ids(topo, name))
+    core = pq.read_table(out / "core").to_pylist()
+    js = pq.read_table(out / "js").to_pylist()
+    lost = sum(1 for r in core if r["id"] not in ids) + sum(
+        1 for r in js if r["outcome"] == "acked" and r["id"] not in ids
+    )
+    return {"sent": len(core) + len(js), "lost": lost, "failed": sum(1 for r in js if r["outcome"] == "error")}
+
+
+def one(topo: Topology, topology: Path, who: str, rate: int | None, prefill: int, work: Path) -> dict[str, Any]:
+    name = f"BM_{who.upper()}"
+    out = work / f"{who}-{rate or 'max'}-{time.monotonic_ns()}"
+    out.mkdir(parents=True)
+    asyncio.run(make(topo, name, prefill))
+    procs = loads(topology, name, rate, out)
+    time.sleep(3)
+    if who == "native":
+        r = asyncio.run(native(topo, name, out / "capture"))
+    else:
+        req = mv.MoveRequest(stream=name, to="west", state_dir=out / "state")
+        t0 = time.monotonic()
+        res = asyncio.run(mv.move(topo.nats("west"), req))
+        r = {"took_s": time.monotonic() - t0, "unavailable_s": res["unavailable_s"], "missed": res["missed"]}
+        assert res["outcome"] == "moved" and res["verify"]["ok"], res
+    for p in procs:
+        p.wait(timeout=120)
+    return {"who": who, "rate": rate or "max", **r, **tally(topo, name, out)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", type=int, default=40_000, help="1 kB messages in the stream before the move")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="5,000 prefilled, one run per case")
+    args = parser.parse_args()
+    prefill, runs = (5_000, 1) if args.quick else (args.prefill, args.runs)
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
+    root.chmod(0o755)
+    os.environ["FERRY_LAB_DIR"] = str(root)
+    rows: list[dict[str, Any]] = []
+    try:
+        lab.up("supercluster", root, log=lambda _: None)
+        topology = root / "topology.yaml"
+        topo = load_topology(topology)
+        for rate in (3500, None):
+            for _ in range(runs):
+                for who in ("native", "ferry"):
+                    rows.append(one(topo, topology, who, rate, prefill, root / "work"))
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        lab.down(root=root, log=lambda _: None)
+    print()
+    print(
+        f"{'rate':>6} {'who':7} {'sent':>8} {'lost':>5} {'failed':>6} {'window ms':>9} {'move s':>7} {'time ratio':>10}"
+    )
+    for rate in (3500, "max"):
+        case = [r for r in rows if r["rate"] == rate]
+        nat = median(r["took_s"] for r in case if r["who"] == "native")
+        for who in ("native", "ferry"):
+            mine = [r for r in case if r["who"] == who]
+            took = median(r["took_s"] for r in mine)
+            print(
+                f"{rate:>6} {who:7} {sum(r['sent'] for r in mine):>8,} {sum(r['lost'] for r in mine):>5} "
+                f"{sum(r['failed'] for r in mine):>6} {max(r['unavailable_s'] for r in mine) * 1000:>9.1f} "
+                f"{took:>7.2f} {took / nat:>9.2f}x"
+            )
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / f"move-{int(time.time())}.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,980 @@
+"""`ferry move`: move a JetStream stream to another cluster of a super-cluster, losing nothing.
+
+The server does the move (a placement update); ferry makes it safe:
+
+1. **Preflight** (nothing changed when refused): destination known and with
+   enough healthy servers (online, not lame duck, storage free), no move in
+   progress, the stream led and in quorum, a meta leader.
+2. **Journal**: the move's state lives in the JetStream KV bucket ``ferry_ops``
+   (key ``move.<stream>``) with an owner heartbeat, so one move runs per stream
+   and the same command run again (from anywhere) resumes a move whose owner died.
+3. **Capture guard**: while the stream moves, ferry subscribes to its subjects
+   and appends what it hears to an Arrow file (memory stays bounded). Afterwards
+   it reads the stream from the sequence the move began at, and re-publishes
+   exactly the captured messages the stream does not hold, in capture order,
+   marked ``Ferry-Reinjected: <move id>``. Identity is ``Nats-Msg-Id`` when
+   present (the re-publish keeps it, so the stream's de-duplication absorbs a
+   producer's own late retry), else subject + headers + payload, counted as a
+   multiset.
+4. **Progress**: peers, lag, leader changes, leaderless time; the
+   unavailability window is measured from the traffic itself: the longest time
+   during which publishes arrived and the stream stored none of them.
+5. **Timeout / Ctrl-C / ``--cancel``**: the system account's CANCEL_MOVE puts
+   the stream back where it was; ferry waits for it to be healthy there.
+6. **Verify**: messages, first/last sequence, per-subject counts unchanged but
+   for new publishes; every durable consumer keeps its configuration and ack
+   floor and none points past the last sequence.
+
+Limits of the guard (said plainly): it only hears what reaches a subscription
+on ferry's connection, so messages published while ferry was disconnected or
+not running (between a kill and the rerun) are not guarded; the comparison
+covers the stream from the move's first sequence, so a stream whose limits
+discard messages during the move may see a discarded one re-published; two
+identical messages without ``Nats-Msg-Id`` are told apart only by count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import hashlib
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import pyarrow as pa
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+
+from ferry.brokers import nats as bnats
+from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.publish import Publisher
+from ferry.topology import NatsCluster
+
+__all__ = [
+    "MoveRequest",
+    "cancel",
+    "identity",
+    "move",
+    "move_many",
+    "repair_consumers",
+    "status",
+    "unavailable_window",
+]
+
+REINJECTED = "Ferry-Reinjected"
+MSG_ID = "Nats-Msg-Id"
+BUCKET = "ferry_ops"
+STALE_AFTER = 10.0  # seconds without a heartbeat before another ferry may take a move over
+CAPTURE_SCHEMA = pa.schema(
+    [
+        ("recv_ns", pa.int64()),
+        ("subject", pa.string()),
+        ("headers", pa.map_(pa.string(), pa.string())),
+        ("payload", pa.binary()),
+    ]
+)
+
+Emit = Callable[..., None]
+
+
+def _no_emit(event: str, **data: Any) -> None:
+    pass
+
+
+@dataclass
+class MoveRequest:
+    stream: str
+    to: str | None = None  # destination cluster
+    to_tags: list[str] = field(default_factory=list)
+    timeout: float = 600.0
+    guard: bool = True
+    dry_run: bool = False
+    state_dir: Path | None = None  # where capture files go (default: $FERRY_STATE_DIR or ~/.local/state/ferry)
+
+    def placement(self) -> dict[str, Any]:
+        p: dict[str, Any] = {}
+        if self.to:
+            p["cluster"] = self.to
+        if self.to_tags:
+            p["tags"] = list(self.to_tags)
+        return p
+
+    def target(self) -> str:
+        return self.to or "tags " + ",".join(self.to_tags)
+
+
+# -- the super-cluster as the system account sees it ---------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    cluster: str
+    tags: list[str]
+    free: int  # bytes of file storage left
+    offline: bool
+
+
+@dataclass
+class View:
+    servers: dict[str, Server]
+    meta_leader: str
+
+    def matching(self, placement: dict[str, Any]) -> list[Server]:
+        tags = set(placement.get("tags") or [])
+        cluster = placement.get("cluster")
+        return [s for s in self.servers.values() if (not cluster or s.cluster == cluster) and tags <= set(s.tags)]
+
+    def clusters(self) -> set[str]:
+        return {s.cluster for s in self.servers.values()}
+
+
+async def survey(sysnc: Client, wait: float = 2.0) -> View:
+    """Every JetStream server's JSZ (via $SYS.REQ.SERVER.PING.JSZ), gathered until all meta peers answered."""
+    got: list[dict] = []
+    done = asyncio.Event()
+    expected = [0]
+
+    async def on_reply(m: Msg) -> None:
+        with contextlib.suppress(ValueError):
+            got.append(json.loads(m.data))
+            size = ((got[-1].get("data") or {}).get("meta_cluster") or {}).get("cluster_size", 0)
+            expected[0] = max(expected[0], size)
+            if expected[0] and len(got) >= expected[0]:
+                done.set()
+
+    inbox = sysnc.new_inbox()
+    sub = await sysnc.subscribe(inbox, cb=on_reply)
+    try:
+        await sysnc.publish("$SYS.REQ.SERVER.PING.JSZ", b"{}", reply=inbox)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), wait)
+    finally:
+        await sub.unsubscribe()
+    if not got:
+        raise BrokerUnavailable("no JetStream server answered $SYS.REQ.SERVER.PING.JSZ")
+    leader = ""
+    for r in got:
+        leader = leader or ((r.get("data") or {}).get("meta_cluster") or {}).get("leader", "")
+    offline: dict[str, bool] = {}
+    for r in got:
+        if r["server"]["name"] == leader:
+            for p in (r["data"].get("meta_cluster") or {}).get("replicas") or []:
+                offline[p["name"]] = bool(p.get("offline"))
+    servers = {}
+    for r in got:
+        si, d = r["server"], r.get("data") or {}
+        cfg = d.get("config") or {}
+        free = max(0, int(cfg.get("max_storage", 0)) - int(d.get("storage", 0)))
+        servers[si["name"]] = Server(
+            si["name"], si.get("cluster", ""), si.get("tags") or [], free, offline.get(si["name"], False)
+        )
+    return View(servers, leader)
+
+
+# -- stream API (raw JSON: the config round-trips exactly) ---------------------------------------
+
+
+async def api(nc: Client, subject: str, payload: dict | None = None, timeout: float = 5.0) -> dict:
+    resp = await bnats.sys_request(nc, subject, payload or {}, timeout=timeout)
+    err = resp.get("error")
+    if err:
+        code = err.get("err_code", 0)
+        if code == 10059:
+            raise NotFound(f"stream {subject.rsplit('.', 1)[-1]!r} not found")
+        raise FerryError(f"{subject}: {err.get('description', err)} (err_code {code})", err_code=code)
+    return resp
+
+
+async def stream_info(nc: Client, stream: str, timeout: float = 5.0, **req: Any) -> dict:
+    return await api(nc, f"$JS.API.STREAM.INFO.{stream}", req, timeout=timeout)
+
+
+def peers(info: dict) -> list[dict]:
+    """Leader first, then replicas: name, current, lag, offline."""
+    c = info.get("cluster") or {}
+    out = [{"name": c["leader"], "current": True, "lag": 0, "leader": True}] if c.get("leader") else []
+    for r in c.get("replicas") or []:
+        out.append(
+            {
+                "name": r["name"],
+                "current": bool(r.get("current")),
+                "lag": int(r.get("lag", 0)),
+                "offline": bool(r.get("offline")),
+            }
+        )
+    return out
+
+
+def same_placement(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("cluster") == b.get("cluster") and sorted(a.get("tags") or []) == sorted(b.get("tags") or [])
+
+
+def _in(info: dict, names: set[str]) -> bool:
+    """The stream's whole peer set is `names`-only, at its replica count, led and current."""
+    ps = peers(info)
+    return (
+        bool((info.get("cluster") or {}).get("leader"))
+        and len(ps) == int(info["config"].get("num_replicas", 1))
+        and all(p["name"] in names and p["current"] for p in ps)
+    )
+
+
+async def consumers(nc: Client, stream: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    offset = 0
+    while True:
+        page = await api(nc, f"$JS.API.CONSUMER.LIST.{stream}", {"offset": offset})
+        for c in page.get("consumers") or []:
+            out[c["name"]] = c
+        offset += len(page.get("consumers") or [])
+        if not page.get("consumers") or offset >= page.get("total", 0):
+            return out
+
+
+async def snapshot(nc: Client, stream: str) -> dict:
+    """What verification compares: stream state, per-subject counts, durable consumers."""
+    info = await stream_info(nc, stream, subjects_filter=">")
+    st = info["state"]
+    durable = {
+        n: {"config": c["config"], "ack_floor": c["ack_floor"]["stream_seq"], "delivered": c["delivered"]["stream_seq"]}
+        for n, c in (await consumers(nc, stream)).items()
+        if c["config"].get("durable_name")
+    }
+    return {
+        "messages": st["messages"],
+        "first_seq": st["first_seq"],
+        "last_seq": st["last_seq"],
+        "subjects": st.get("subjects") or {},
+        "consumers": durable,
+    }
+
+
+_VOLATILE = {"num_replicas"}  # a consumer's replica count follows the stream's placement
+
+
+def verify(pre: dict, post: dict) -> list[str]:
+    """Problems found comparing the snapshot before a move with the one after (empty: verified)."""
+    problems = []
+    new = post["last_seq"] - pre["last_seq"]
+    if new < 0:
+        problems.append(f"last sequence went back from {pre['last_seq']} to {post['last_seq']}")
+    if post["first_seq"] != pre["first_seq"]:
+        problems.append(f"first sequence changed from {pre['first_seq']} to {post['first_seq']}")
+    if post["messages"] != pre["messages"] + max(new, 0):
+        problems.append(f"{post['messages']} messages, expected {pre['messages']} + {max(new, 0)} new")
+    for subj, n in pre["subjects"].items():
+        if post["subjects"].get(subj, 0) < n:
+            problems.append(f"subject {subj}: {post['subjects'].get(subj, 0)} messages, had {n}")
+    for name, c in pre["consumers"].items():
+        now = post["consumers"].get(name)
+        if now is None:
+            problems.append(f"consumer {name} is gone")
+            continue
+        before = {k: v for k, v in c["config"].items() if k not in _VOLATILE}
+        after = {k: v for k, v in now["config"].items() if k not in _VOLATILE}
+        if before != after:
+            changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+            problems.append(f"consumer {name}: configuration changed ({', '.join(changed)})")
+        if now["ack_floor"] < c["ack_floor"]:
+            problems.append(f"consumer {name}: ack floor went back from {c['ack_floor']} to {now['ack_floor']}")
+    for name, now in post["consumers"].items():
+        if max(now["ack_floor"], now["delivered"]) > post["last_seq"]:
+            problems.append(
+                f"consumer {name} points past the stream's last sequence {post['last_seq']} "
+                f"(delivered {now['delivered']}); run `ferry repair consumers`"
+            )
+    return problems
+
+
+# -- capture guard --------------------------------------------------------------------------------
+
+
+def identity(subject: str, headers: dict[str, str] | None, payload: bytes) -> str:
+    """A message's identity: its Nats-Msg-Id, else a digest of subject, headers and payload."""
+    if headers and headers.get(MSG_ID):
+        return "id:" + headers[MSG_ID]
+    h = hashlib.blake2b(digest_size=16)
+    h.update(subject.encode() + b"\0")
+    for k, v in sorted((headers or {}).items()):
+        if k != REINJECTED and not k.startswith("Nats-Expected"):
+            h.update(f"{k}\0{v}\0".encode())
+    h.update(payload)
+    return "c:" + h.hexdigest()
+
+
+class Guard:
+    """Subscribes to a stream's subjects and appends what it hears to an Arrow IPC file."""
+
+    def __init__(self, nc: Client, subjects: list[str], path: Path, flush_every: float = 0.2) -> None:
+        self.nc, self.subjects, self.path, self.flush_every = nc, subjects, path, flush_every
+        self.rows: dict[str, list] = {n: [] for n in CAPTURE_SCHEMA.names}
+        self.count = 0
+        self._subs: list[Any] = []
+        self._writer: pa.ipc.RecordBatchStreamWriter | None = None
+        self._sink: Any = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._sink = pa.OSFile(str(self.path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
+        for s in self.subjects:
+            self._subs.append(
+                await self.nc.subscribe(s, cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=-1)
+            )
+        await self.nc.flush(timeout=5)
+        # interest reaches the other clusters through the gateways a moment later
+        await asyncio.sleep(0.3)
+        self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def _on_msg(self, m: Msg) -> None:
+        r = self.rows
+        r["recv_ns"].append(time.time_ns())
+        r["subject"].append(m.subject)
+        r["headers"].append(list(m.headers.items()) if m.headers else None)
+        r["payload"].append(m.data)
+        self.count += 1
+
+    def _flush(self) -> None:
+        if self.rows["recv_ns"] and self._writer:
+            batch = pa.RecordBatch.from_pydict(self.rows, schema=CAPTURE_SCHEMA)
+            self.rows = {n: [] for n in CAPTURE_SCHEMA.names}
+            self._writer.write_batch(batch)
+            self._sink.flush()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_every)
+            self._flush()
+
+    async def stop(self) -> None:
+        for s in self._subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        self._subs = []
+        if self._flusher:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        self._flush()
+        if self._writer:
+            self._writer.close()
+            self._sink.close()
+            self._writer = None
+
+
+def read_captures(directory: Path) -> pa.Table:
+    """Every capture file of a move (several when it was resumed), a killed writer's tail dropped."""
+    batches = []
+    for f in sorted(directory.glob("capture-*.arrow")):
+        with contextlib.suppress(pa.ArrowInvalid, OSError):
+            reader = pa.ipc.open_stream(pa.memory_map(str(f)))
+            while True:
+                try:
+                    batches.append(reader.read_next_batch())
+                except (StopIteration, pa.ArrowInvalid, OSError):
+                    break
+    table = pa.Table.from_batches(batches, schema=CAPTURE_SCHEMA)
+    return table.sort_by("recv_ns")
+
+
+async def stored_since(cluster: NatsCluster, stream: str, seq0: int, last: int) -> list[tuple[str, int]]:
+    """(identity, store time ns) of every message with seq0 < seq <= last."""
+    from ferry.pipeline.jetstream import Range, ReadConfig, read_range
+
+    if last <= seq0:
+        return []
+    cfg = ReadConfig(cluster=cluster.model_dump_json(), name="move", streams=(stream,))
+    out = []
+    async for batch in read_range(cfg, Range(stream, seq0 + 1, last, fetch=2000)):
+        cols = batch.select(["subject", "payload", "headers"]).to_pydict()
+        micros = batch.column("timestamp").cast(pa.int64()).to_pylist()
+        for subj, payload, headers, us in zip(cols["subject"], cols["payload"], cols["headers"], micros, strict=True):
+            out.append((identity(subj, dict(headers) if headers else None, payload), us * 1000))
+    return out
+
+
+def missing(captured: pa.Table, stored: list[tuple[str, int]]) -> tuple[list[int], dict[str, int]]:
+    """Row numbers of captured messages the stream does not hold (capture order), and identity -> first row."""
+    held = Counter(i for i, _ in stored)
+    cols = captured.to_pydict()
+    rows = zip(cols["subject"], cols["headers"], cols["payload"], strict=True)
+    ids = [identity(s, dict(h) if h else None, p) for s, h, p in rows]
+    first: dict[str, int] = {}
+    seen: Counter[str] = Counter()
+    out = []
+    for row, ident in enumerate(ids):
+        first.setdefault(ident, row)
+        if ident.startswith("id:"):
+            if row == first[ident] and held[ident] == 0:
+                out.append(row)  # a re-sent msg id counts once
+            continue
+        seen[ident] += 1
+        if seen[ident] > held[ident]:
+            out.append(row)
+    return out, first
+
+
+def unavailable_window(capture_ns: list[int], stored_ns: list[int], offset_ns: int) -> float:
+    """Seconds: the longest gap between two stored messages during which publishes were heard.
+
+    `offset_ns` maps capture clock to store clock (median store - capture delay of
+    matched messages), so the figure does not depend on the two clocks agreeing.
+    """
+    if len(stored_ns) < 2 or not capture_ns:
+        return 0.0
+    s = sorted(stored_ns)
+    c = sorted(x + offset_ns for x in capture_ns)
+    best = 0
+    for a, b in pairwise(s):
+        if b - a > best and bisect_left(c, b) > bisect_right(c, a):
+            best = b - a
+    return best / 1e9
+
+
+# -- journal ---------------------------------------------------------------------------------------
+
+
+class Journal:
+    """A move's state in the KV bucket ``ferry_ops``, owned by one live ferry at a time."""
+
+    def __init__(self, nc: Client, stream: str) -> None:
+        self.js = nc.jetstream()
+        self.key = f"move.{stream}"
+        self.kv: Any = None
+        self.revision = 0
+        self.state: dict[str, Any] = {}
+
+    async def open(self, replicas: int) -> dict[str, Any] | None:
+        from nats.js.api import KeyValueConfig
+        from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+        try:
+            self.kv = await self.js.key_value(BUCKET)
+        except BucketNotFoundError:
+            self.kv = await self.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5, replicas=replicas))
+        try:
+            entry = await self.kv.get(self.key)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        self.revision = entry.revision
+        return json.loads(entry.value)
+
+    @staticmethod
+    def owner() -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid()}
+
+    @staticmethod
+    def owner_alive(state: dict[str, Any]) -> bool:
+        o = state.get("owner") or {}
+        if time.time() - state.get("heartbeat", 0) > STALE_AFTER:
+            return False
+        if o.get("host") == socket.gethostname():
+            try:
+                os.kill(int(o["pid"]), 0)
+            except (ProcessLookupError, ValueError, KeyError):
+                return False
+            except PermissionError:
+                return True
+        return True
+
+    async def save(self, **changes: Any) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        self.state.update(changes, owner=self.owner(), heartbeat=time.time())
+        data = json.dumps(self.state).encode()
+        try:
+            if self.revision:
+                self.revision = await self.kv.update(self.key, data, last=self.revision)
+            else:
+                self.revision = await self.kv.create(self.key, data)
+        except KeyWrongLastSequenceError:
+            raise Conflict(f"move of {self.state.get('stream')} was taken over by another ferry") from None
+
+
+# -- the move ----------------------------------------------------------------------------------------
+
+
+def _state_dir(req: MoveRequest) -> Path:
+    if req.state_dir:
+        return req.state_dir
+    env = os.environ.get("FERRY_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "ferry"
+
+
+async def account_name(nc: Client) -> str:
+    info = await bnats.sys_request(nc, "$SYS.REQ.USER.INFO", timeout=5)
+    acc = (info.get("data") or {}).get("account")
+    if not acc:
+        raise FerryError("cannot tell the account of the topology's credentials ($SYS.REQ.USER.INFO)")
+    return acc
+
+
+async def preflight(nc: Client, sysnc: Client, req: MoveRequest, resuming: bool = False) -> dict[str, Any]:
+    """Refuse (PreflightFailed, nothing changed) or return the move's plan."""
+    if not req.to and not req.to_tags:
+        raise UsageError("say where to: --to CLUSTER or --to-tags TAG,...")
+    view = await survey(sysnc)
+    if not view.meta_leader:
+        raise PreflightFailed("no JetStream meta leader: the super-cluster cannot place streams now")
+    try:
+        info = await stream_info(nc, req.stream)
+    except BrokerUnavailable:
+        raise PreflightFailed(f"stream {req.stream!r} did not answer STREAM.INFO: no leader now") from None
+    cfg = info["config"]
+    replicas = int(cfg.get("num_replicas", 1))
+    if req.to and req.to not in view.clusters():
+        raise PreflightFailed(f"destination cluster {req.to!r} unknown (known: {', '.join(sorted(view.clusters()))})")
+    c = info.get("cluster") or {}
+    origin = c.get("name", "")
+    ps = peers(info)
+    dest_all = view.matching(req.placement())
+    dest_names = {s.name for s in dest_all}
+    plan: dict[str, Any] = {
+        "stream": req.stream,
+        "from": origin,
+        "to": req.target(),
+        "replicas": replicas,
+        "bytes": info["state"]["bytes"],
+        "messages": info["state"]["messages"],
+        "last_seq": info["state"]["last_seq"],
+        "peers": [p["name"] for p in ps],
+        "warnings": [],
+    }
+    placement_now = cfg.get("placement") or {}
+    moving = (placement_now.get("cluster") and placement_now.get("cluster") != origin) or len(ps) > replicas
+    if moving and not resuming:
+        raise PreflightFailed(
+            f"stream {req.stream!r} is already moving "
+            f"(placement {json.dumps(placement_now)}, {len(ps)} peers for R{replicas})"
+        )
+    if not moving and ps and all(p["name"] in dest_names for p in ps):
+        plan["nothing_to_do"] = True
+        return plan
+    if not c.get("leader"):
+        raise PreflightFailed(f"stream {req.stream!r} has no leader now; move it once it is led")
+    current = sum(1 for p in ps if p["current"] and not p.get("offline"))
+    if current < replicas // 2 + 1:
+        raise PreflightFailed(f"stream {req.stream!r} has no quorum now ({current} of {replicas} peers current)")
+    refusal = destination_refusal(dest_all, replicas, info["state"]["bytes"], req.target())
+    if refusal:
+        raise PreflightFailed(refusal)
+    counts = Counter(s.cluster for s in view.servers.values())
+    dest_clusters = {s.cluster for s in dest_all}
+    if origin and any(counts[d] != counts[origin] for d in dest_clusters):
+        plan["warnings"].append(
+            f"clusters differ in size ({origin}: {counts[origin]} servers, "
+            + ", ".join(f"{d}: {counts[d]}" for d in sorted(dest_clusters))
+            + "): every destination server may briefly join the stream's Raft group"
+        )
+    plan["dest_servers"] = sorted(dest_names)
+    plan["origin_servers"] = sorted(s.name for s in view.servers.values() if s.cluster == origin)
+    return plan
+
+
+def destination_refusal(servers: list[Server], replicas: int, need: int, target: str) -> str | None:
+    """Why `servers` cannot take an R`replicas` stream of `need` bytes (None: they can)."""
+    healthy = [s for s in servers if not s.offline and s.free >= need]
+    if len(healthy) >= replicas:
+        return None
+    why = []
+    if off := [s.name for s in servers if s.offline]:
+        why.append(f"offline or lame duck: {', '.join(off)}")
+    if full := [s.name for s in servers if not s.offline and s.free < need]:
+        why.append(f"not enough storage: {', '.join(full)}")
+    return f"destination {target} has {len(healthy)} healthy server(s) for an R{replicas} stream" + (
+        f" ({'; '.join(why)})" if why else ""
+    )
+
+
+class StopOnSignal:
+    """Ctrl-C / SIGTERM during a move: ask for a cancel (a second one exits at once)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.installed: list[int] = []
+
+    def __enter__(self) -> StopOnSignal:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._on_signal)
+                self.installed.append(sig)
+        return self
+
+    def _on_signal(self) -> None:
+        if self.event.is_set():
+            os._exit(130)
+        self.event.set()
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _cancel_request(sysnc: Client, account: str, stream: str) -> dict:
+    return await api(sysnc, f"$JS.API.ACCOUNT.STREAM.CANCEL_MOVE.{account}.{stream}", timeout=10)
+
+
+async def move(
+    cluster: NatsCluster,
+    req: MoveRequest,
+    emit: Emit = _no_emit,
+    stop: asyncio.Event | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) one move; returns its result. Raises PreflightFailed having changed nothing."""
+    async with (
+        bnats.session(cluster, client_name="ferry-move") as nc,
+        bnats.session(cluster, system=True, client_name="ferry-move-sys") as sysnc,
+    ):
+        journal = Journal(nc, req.stream)
+        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+        resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))
+        if resuming and Journal.owner_alive(prior or {}):
+            o = (prior or {}).get("owner", {})
+            raise Conflict(
+                f"a move of {req.stream!r} is already running (pid {o.get('pid')} on {o.get('host')}, "
+                f"phase {prior.get('phase')})"  # type: ignore[union-attr]
+            )
+        plan = await preflight(nc, sysnc, req, resuming=resuming)
+        emit("plan", **plan)
+        if req.dry_run or (plan.get("nothing_to_do") and not resuming):
+            return {**plan, "outcome": "dry-run" if req.dry_run else "already there"}
+        account = await account_name(nc)
+        t0 = time.monotonic()
+        if resuming:
+            journal.state = dict(prior or {})
+            emit("resume", phase=journal.state["phase"], move_id=journal.state["move_id"])
+            capture_dir = Path(journal.state["capture_dir"])
+        else:
+            move_id = uuid.uuid4().hex[:12]
+            capture_dir = _state_dir(req) / "moves" / f"{req.stream}-{move_id}"
+            pre = await snapshot(nc, req.stream)
+            journal.state = {
+                "stream": req.stream,
+                "move_id": move_id,
+                "account": account,
+                "from": plan["from"],
+                "to": req.target(),
+                "placement": req.placement(),
+                "origin_servers": plan["origin_servers"],
+                "dest_servers": plan["dest_servers"],
+                "seq0": pre["last_seq"],
+                "pre": pre,
+                "capture_dir": str(capture_dir),
+                "started": time.time(),
+            }
+            await journal.save(phase="starting")
+        st = journal.state
+        info = await stream_info(nc, req.stream)
+        guard = None
+        if req.guard and info["config"].get("subjects"):
+            guard = Guard(
+                nc, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
+            )
+            await guard.start()
+            emit("guard", subjects=info["config"]["subjects"], file=str(guard.path))
+        elif req.guard:
+            emit(
+                "guard", subjects=[], note="the stream has no subjects of its own (mirror/sourced): nothing to capture"
+            )
+        result: dict[str, Any] = {"stream": req.stream, "move_id": st["move_id"], "from": st["from"], "to": st["to"]}
+        try:
+            if st.get("phase") == "starting":
+                cfg = dict(info["config"])
+                placement_now = cfg.get("placement") or {}
+                if not same_placement(placement_now, st["placement"]):
+                    cfg["placement"] = st["placement"]
+                    await api(nc, f"$JS.API.STREAM.UPDATE.{req.stream}", cfg, timeout=10)
+                    emit("placement", placement=st["placement"])
+                await journal.save(phase="moving")
+            if st["phase"] == "moving":
+                outcome, watch = await _watch(nc, sysnc, req, journal, emit, stop, t0)
+                result.update(watch)
+                await journal.save(phase="reconciling", outcome=outcome)
+        finally:
+            if guard:
+                await guard.stop()
+        result["outcome"] = st["outcome"]
+        if guard or (capture_dir.exists() and any(capture_dir.glob("capture-*.arrow"))):
+            result.update(await _reconcile(cluster, nc, req.stream, st, capture_dir, emit))
+        post = await snapshot(nc, req.stream)
+        problems = verify(st["pre"], post)
+        result["verify"] = {"ok": not problems, "problems": problems, "last_seq": post["last_seq"]}
+        emit("verify", **result["verify"])
+        info = await stream_info(nc, req.stream)
+        result["cluster"] = (info.get("cluster") or {}).get("name")
+        result["peers"] = [p["name"] for p in peers(info)]
+        result["took_s"] = round(time.time() - st["started"], 3)
+        await journal.save(phase="done" if st["outcome"] == "moved" else "cancelled", result=result)
+        emit("done", **{k: v for k, v in result.items() if k != "verify"})
+        return result
+
+
+async def _watch(
+    nc: Client,
+    sysnc: Client,
+    req: MoveRequest,
+    journal: Journal,
+    emit: Emit,
+    stop: asyncio.Event | None,
+    t0: float,
+) -> tuple[str, dict[str, Any]]:
+    """Poll the stream until it lives in the destination (or is back in the origin after a cancel)."""
+    st = journal.state
+    dest, origin = set(st["dest_servers"]), set(st["origin_servers"])
+    deadline = t0 + req.timeout
+    leader = None
+    changes: list[dict[str, Any]] = []
+    leaderless = 0.0
+    last_poll = time.monotonic()
+    last_emit = last_beat = 0.0
+    cancelled_at: float | None = None
+    while True:
+        now = time.monotonic()
+        try:
+            info = await stream_info(nc, req.stream, timeout=1.0)
+        except (BrokerUnavailable, NatsTimeout, TimeoutError, FerryError) as exc:
+            if isinstance(exc, NotFound):
+                raise
+            info = None
+        dt, last_poll = now - last_poll, now
+        new_leader = ((info or {}).get("cluster") or {}).get("leader")
+        if not new_leader:
+            leaderless += dt
+        if new_leader and new_leader != leader:
+            if leader is not None:
+                changes.append({"at_s": round(now - t0, 3), "from": leader, "to": new_leader})
+                emit("leader", at_s=round(now - t0, 3), leader=new_leader, previous=leader)
+            leader = new_leader
+        if info:
+            placement = info["config"].get("placement") or {}
+            if cancelled_at is None and not same_placement(placement, st["placement"]):
+                cancelled_at = now
+                emit("cancelled", by="someone else (placement changed back)")
+            if cancelled_at is None and _in(info, dest):
+                outcome = "moved"
+                break
+            if cancelled_at is not None and _in(info, origin):
+                outcome = "cancelled"
+                break
+            if now - last_emit >= 0.5:
+                last_emit = now
+                emit(
+                    "progress",
+                    at_s=round(now - t0, 2),
+                    leader=new_leader,
+                    peers=peers(info),
+                    last_seq=info["state"]["last_seq"],
+                )
+        if cancelled_at is None and (now > deadline or (stop and stop.is_set())):
+            why = "timeout" if now > deadline else "interrupted"
+            emit("cancelling", reason=why)
+            try:
+                await _cancel_request(sysnc, st["account"], req.stream)
+            except FerryError as exc:
+                if getattr(exc, "fields", {}).get("err_code") != 10129:  # nothing to cancel: already done
+                    raise
+                emit("cancel", note=f"too late to cancel: {exc}")
+            cancelled_at = now
+        if cancelled_at is not None and now - cancelled_at > 120:
+            raise FerryError(f"stream {req.stream!r} not healthy in {st['from']} 120s after the cancel")
+        if now - last_beat >= 1.0:
+            last_beat = now
+            await journal.save()
+        await asyncio.sleep(0.05)
+    return outcome, {"leader_changes": changes, "leaderless_s": round(leaderless, 3), "moved_in_s": round(now - t0, 3)}
+
+
+async def _reconcile(
+    cluster: NatsCluster, nc: Client, stream: str, st: dict[str, Any], capture_dir: Path, emit: Emit
+) -> dict[str, Any]:
+    """Compare what the guard heard with what the stream holds; re-publish what it lacks."""
+    stop_ns = time.time_ns()
+    captured = read_captures(capture_dir)
+    heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
+    # settle: a publish heard just before the guard stopped may still be on its way to the
+    # stream; wait (2 s at most) until the stream holds something stored after that
+    for _ in range(40 if heard_last > stop_ns - 500_000_000 else 0):
+        info = await stream_info(nc, stream)
+        if _ts_ns(info["state"].get("last_ts", "")) > stop_ns + 200_000_000:
+            break
+        await asyncio.sleep(0.05)
+    info = await stream_info(nc, stream)
+    stored = await stored_since(cluster, stream, st["seq0"], info["state"]["last_seq"])
+    rows, first = missing(captured, stored)
+    cols = captured.to_pydict()
+    # map capture clock onto the store clock through the matched messages
+    when = {ident: ts for ident, ts in stored}
+    pairs = []
+    for ident, row in first.items():
+        if ident in when:
+            pairs.append(when[ident] - cols["recv_ns"][row])
+    offset = int(median(pairs)) if pairs else 0
+    stored_ns = [ts for _, ts in stored]
+    window = unavailable_window(cols["recv_ns"], stored_ns, offset)
+    reinjected = 0
+    if rows:
+        async with Publisher(nc, window=256, ack_timeout=2.0, give_up_after=60.0) as pub:
+            for row in rows:
+                headers = {k: v for k, v in (cols["headers"][row] or []) if not k.startswith("Nats-Expected")}
+                headers[REINJECTED] = st["move_id"]
+                await pub.publish(
+                    cols["subject"][row], cols["payload"][row], headers=headers, msg_id=headers.get(MSG_ID)
+                )
+            stats = await pub.flush(timeout=120)
+        if stats.failed:
+            raise FerryError(f"re-publishing {len(rows)} missed messages: {stats.failed} failed ({stats.errors[:1]})")
+        reinjected = stats.stored
+    out = {
+        "captured": captured.num_rows,
+        "missed": len(rows),
+        "reinjected": reinjected,
+        "unavailable_s": round(window, 4),
+    }
+    emit("guard", **out)
+    return out
+
+
+def _ts_ns(text: str) -> int:
+    """RFC 3339 with nanoseconds (what JetStream reports) to epoch ns."""
+    from datetime import datetime
+
+    if not text:
+        return 0
+    base, _, frac = text.rstrip("Z").partition(".")
+    secs = int(datetime.fromisoformat(base + "+00:00").timestamp())
+    digits = "".join(ch for ch in frac if ch.isdigit())[:9].ljust(9, "0")
+    return secs * 1_000_000_000 + int(digits)
+
+
+async def move_many(
+    cluster: NatsCluster,
+    pattern: str,
+    req: MoveRequest,
+    concurrency: int = 1,
+    emit: Emit = _no_emit,
+    stop: asyncio.Event | None = None,
+) -> list[dict[str, Any]]:
+    """Every stream whose name matches `pattern`, `concurrency` at a time (one move per stream)."""
+    async with bnats.session(cluster) as nc:
+        names = sorted([n async for n in _stream_names(nc)])
+    chosen = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n != "KV_" + BUCKET]
+    if not chosen:
+        raise NotFound(f"no stream matches {pattern!r}")
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(name: str) -> dict[str, Any]:
+        async with gate:
+            r = MoveRequest(**{**req.__dict__, "stream": name})
+            try:
+                return await move(cluster, r, lambda ev, **d: emit(ev, stream=name, **d), stop)
+            except FerryError as exc:
+                emit("error", stream=name, error=str(exc))
+                return {
+                    "stream": name,
+                    "outcome": "refused" if isinstance(exc, PreflightFailed) else "failed",
+                    "error": str(exc),
+                }
+
+    return list(await asyncio.gather(*(one(n) for n in chosen)))
+
+
+async def _stream_names(nc: Client) -> Any:
+    offset = 0
+    while True:
+        page = await api(nc, "$JS.API.STREAM.NAMES", {"offset": offset})
+        names = page.get("streams") or []
+        for n in names:
+            yield n
+        offset += len(names)
+        if not names or offset >= page.get("total", 0):
+            return
+
+
+async def status(cluster: NatsCluster, stream: str) -> dict[str, Any]:
+    """`ferry move --status STREAM`: the journaled state of the stream's last move."""
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+    async with bnats.session(cluster) as nc:
+        try:
+            entry = await (await nc.jetstream().key_value(BUCKET)).get(f"move.{stream}")
+        except (BucketNotFoundError, KeyNotFoundError):
+            raise NotFound(f"no move of {stream!r} on record") from None
+    state = json.loads(entry.value or b"{}")
+    state.pop("pre", None)
+    state["owner_alive"] = Journal.owner_alive(state) if state.get("phase") not in ("done", "cancelled") else False
+    return state
+
+
+async def cancel(cluster: NatsCluster, stream: str) -> dict[str, Any]:
+    """`ferry move --cancel STREAM`: put a moving stream back where it was."""
+    async with (
+        bnats.session(cluster) as nc,
+        bnats.session(cluster, system=True) as sysnc,
+    ):
+        info = await stream_info(nc, stream)
+        account = await account_name(nc)
+        try:
+            await _cancel_request(sysnc, account, stream)
+        except FerryError as exc:
+            raise UsageError(f"stream {stream!r}: nothing to cancel ({exc})") from None
+        return {"stream": stream, "cancelled": True, "cluster": (info.get("cluster") or {}).get("name")}
+
+
+async def repair_consumers(cluster: NatsCluster, stream: str, dry_run: bool = False) -> list[dict[str, Any]]:
+    """Recreate each durable consumer left pointing past the stream's last sequence (a sequence reset).
+
+    Every message the stream holds now was stored after the reset and none of
+    them was delivered to the stuck consumer, so it restarts at the stream's first
+    sequence, keeping its name and the rest of its configuration.
+    """
+    async with bnats.session(cluster) as nc:
+        info = await stream_info(nc, stream)
+        st = info["state"]
+        fixes = []
+        for name, c in (await consumers(nc, stream)).items():
+            delivered, floor = c["delivered"]["stream_seq"], c["ack_floor"]["stream_seq"]
+            if max(delivered, floor) <= st["last_seq"] or not c["config"].get("durable_name"):
+                continue
+            if (
+                c["config"].get("deliver_policy") == "by_start_sequence"
+                and delivered == c["config"]["opt_start_seq"] - 1
+            ):
+                continue  # configured to wait for a sequence still to come: not stuck
+            cfg = dict(c["config"])
+            start = st["first_seq"] if st["messages"] else st["last_seq"] + 1
+            for k in ("opt_start_time", "opt_start_seq"):
+                cfg.pop(k, None)
+            cfg.update(deliver_policy="by_start_sequence", opt_start_seq=max(1, start))
+            fix = {
+                "consumer": name,
+                "delivered": delivered,
+                "ack_floor": floor,
+                "last_seq": st["last_seq"],
+                "restart_at": start,
+            }
+            if not dry_run:
+                await api(nc, f"$JS.API.CONSUMER.DELETE.{stream}.{name}")
+                await api(nc, f"$JS.API.CONSUMER.CREATE.{stream}.{name}", {"stream_name": stream, "config": cfg})
+                fix["recreated"] = True
+            fixes.append(fix)
+        return fixes

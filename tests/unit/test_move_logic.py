@@ -1,0 +1,122 @@
+"""The move's pure logic: identities, what the stream missed, the unavailability window, verification."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ferry.ops.move import (
+    CAPTURE_SCHEMA,
+    REINJECTED,
+    Server,
+    _ts_ns,
+    destination_refusal,
+    identity,
+    missing,
+    unavailable_window,
+    verify,
+)
+
+
+def captured(rows: list[tuple[str, dict[str, str] | None, bytes]]) -> pa.Table:
+    return pa.Table.from_pydict(
+        {
+            "recv_ns": list(range(len(rows))),
+            "subject": [r[0] for r in rows],
+            "headers": [list(r[1].items()) if r[1] else None for r in rows],
+            "payload": [r[2] for r in rows],
+        },
+        schema=CAPTURE_SCHEMA,
+    )
+
+
+def test_identity_uses_msg_id_else_content_and_ignores_the_reinjection_mark() -> None:
+    assert identity("a", {"Nats-Msg-Id": "x"}, b"1") == identity("b", {"Nats-Msg-Id": "x"}, b"2") == "id:x"
+    plain = identity("a", {"k": "v"}, b"1")
+    assert plain == identity("a", {"k": "v", REINJECTED: "m1", "Nats-Expected-Last-Sequence": "4"}, b"1")
+    assert plain != identity("a", {"k": "w"}, b"1") != identity("b", {"k": "v"}, b"1")
+    assert identity("a", None, b"1") != identity("a", None, b"2")
+
+
+def test_missing_counts_content_copies_and_msg_ids_once() -> None:
+    rows = [
+        ("s", None, b"same"),
+        ("s", None, b"same"),
+        ("s", None, b"same"),
+        ("s", {"Nats-Msg-Id": "m"}, b"x"),
+        ("s", {"Nats-Msg-Id": "m"}, b"x"),  # a producer's retry of the same id
+        ("s", {"Nats-Msg-Id": "n"}, b"y"),
+    ]
+    table = captured(rows)
+    stored = [(identity("s", None, b"same"), 1), (identity("s", {"Nats-Msg-Id": "n"}, b"y"), 2)]
+    rows_missing, first = missing(table, stored)
+    assert rows_missing == [1, 2, 3]  # two of three identical copies, and msg id m once
+    assert first[identity("s", None, b"same")] == 0
+
+
+@given(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=30))
+def test_missing_is_the_multiset_difference(heard: list[int], held: list[int]) -> None:
+    table = captured([("s", None, bytes([h])) for h in heard])
+    stored = [(identity("s", None, bytes([h])), 0) for h in held]
+    rows, _ = missing(table, stored)
+    for v in range(4):
+        expected = max(0, heard.count(v) - held.count(v))
+        assert sum(1 for r in rows if heard[r] == v) == expected
+
+
+def test_unavailable_window_is_the_longest_stored_gap_with_traffic_inside() -> None:
+    ms = 1_000_000
+    stored = [0, 1 * ms, 2 * ms, 50 * ms, 51 * ms, 400 * ms]  # the 350 ms gap had no publishes
+    heard = [0, 1 * ms, 2 * ms, 10 * ms, 30 * ms, 50 * ms, 51 * ms, 400 * ms]
+    assert unavailable_window(heard, stored, 0) == 0.048
+    # the capture clock 5 s behind the store clock: same answer once offset
+    assert unavailable_window([h - 5000 * ms for h in heard], stored, 5000 * ms) == 0.048
+    assert unavailable_window([], stored, 0) == 0.0
+
+
+def test_verify_names_each_problem() -> None:
+    consumer = {"config": {"durable_name": "C", "ack_policy": "explicit", "num_replicas": 0}, "ack_floor": 10}
+    pre = {
+        "messages": 100,
+        "first_seq": 1,
+        "last_seq": 100,
+        "subjects": {"a": 60, "b": 40},
+        "consumers": {"C": {**consumer, "delivered": 10}},
+    }
+    post = {**pre, "messages": 150, "last_seq": 150, "subjects": {"a": 90, "b": 60}}
+    assert verify(pre, post) == []
+    post_c = {"C": {**consumer, "config": {**consumer["config"], "num_replicas": 3}, "delivered": 12}}
+    assert verify(pre, {**post, "consumers": post_c}) == []  # replicas follow the placement
+    bad = {
+        **post,
+        "messages": 149,
+        "subjects": {"a": 59, "b": 60},
+        "consumers": {"C": {**consumer, "ack_floor": 9, "delivered": 200}},
+    }
+    problems = verify(pre, bad)
+    assert any("149 messages" in p for p in problems)
+    assert any("subject a" in p for p in problems)
+    assert any("ack floor went back" in p for p in problems)
+    assert any("points past" in p for p in problems)
+    assert verify(pre, {**post, "consumers": {}}) == ["consumer C is gone"]
+
+
+def test_destination_refusal_counts_only_healthy_servers() -> None:
+    gb = 1 << 30
+    servers = [
+        Server("w1", "west", [], gb, False),
+        Server("w2", "west", [], gb, True),
+        Server("w3", "west", [], 10, False),
+    ]
+    refusal = destination_refusal(servers, 3, 1000, "west")
+    assert refusal == (
+        "destination west has 1 healthy server(s) for an R3 stream (offline or lame duck: w2; not enough storage: w3)"
+    )
+    assert destination_refusal(servers, 1, 1000, "west") is None
+
+
+def test_ts_ns_parses_jetstream_times() -> None:
+    assert _ts_ns("1970-01-01T00:00:01.5Z") == 1_500_000_000
+    assert _ts_ns("2026-11-21T10:00:00.123456789Z") % 1_000_000_000 == 123_456_789
+    assert _ts_ns("") == 0
