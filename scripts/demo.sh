@@ -7,7 +7,7 @@ OUT="${FERRY_DEMO_OUT:-$PWD/demo-out}"
 RATE="${FERRY_DEMO_RATE:-3500}"
 rm -rf "$OUT" && mkdir -p "$OUT"
 export FERRY_STATE_DIR="$OUT/state"
-step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
+step() { printf '\n\033[1m$ %s\033[0m\n' "$*" >&2; "$@"; }
 
 step ferry lab up supercluster
 trap 'step ferry lab down' EXIT
@@ -36,7 +36,8 @@ west = audit["tiers"]["west"]
 print(f"\nmoved ORDERS {move['from']} -> {move['cluster']} under load: sent {west['sent']:,}, "
       f"lost {west['lost']}, duplicated {west['extra_copies']}, "
       f"unavailability window {move['unavailable_s'] * 1000:.1f} ms, move took {move['took_s']:.1f} s "
-      f"(guard re-published {move['reinjected']} the stream missed)")
+      f"(the stream missed {move['missed']}: ferry re-published {move['reinjected']}, producer retries "
+      f"had stored {move['already_stored']})")
 sys.exit(0 if audit["pass"] and west["lost"] == 0 and west["extra_copies"] == 0 else 1)
 PY
 echo "audit report: $OUT/audit.html"

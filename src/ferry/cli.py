@@ -439,7 +439,8 @@ def _print_event(event: str, **data: Any) -> None:
     elif event == "guard" and "captured" in data:
         line = (
             f"guard: heard {data['captured']:,}, stream missed {data['missed']:,}, "
-            f"re-published {data['reinjected']:,}; unavailable {data['unavailable_s'] * 1000:.1f} ms"
+            f"re-published {data['reinjected']:,} (already stored by a retry: {data['already_stored']:,}); "
+            f"unavailable {data['unavailable_s'] * 1000:.1f} ms"
         )
     elif event == "verify":
         line = "verify: ok" if data["ok"] else "verify: " + "; ".join(data["problems"])

@@ -831,7 +831,7 @@ async def _reconcile(
     offset = int(median(pairs)) if pairs else 0
     stored_ns = [ts for _, ts in stored]
     window = unavailable_window(cols["recv_ns"], stored_ns, offset)
-    reinjected = 0
+    reinjected = already = 0
     if rows:
         async with Publisher(nc, window=256, ack_timeout=2.0, give_up_after=60.0) as pub:
             for row in rows:
@@ -843,11 +843,12 @@ async def _reconcile(
             stats = await pub.flush(timeout=120)
         if stats.failed:
             raise FerryError(f"re-publishing {len(rows)} missed messages: {stats.failed} failed ({stats.errors[:1]})")
-        reinjected = stats.stored
+        reinjected, already = stats.stored, stats.duplicates
     out = {
         "captured": captured.num_rows,
         "missed": len(rows),
         "reinjected": reinjected,
+        "already_stored": already,  # a producer's own retry got there first (same Nats-Msg-Id)
         "unavailable_s": round(window, 4),
     }
     emit("guard", **out)
