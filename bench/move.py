@@ -89,7 +89,8 @@ def loads(topology: Path, name: str, rate: int | None, out: Path) -> list[subpro
         "--ledger",
         str(out / "js"),
     ]
-    return [subprocess.Popen([*c, *common], env=env, stdout=subprocess.DEVNULL) for c in (core, js)]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    return [subprocess.Popen([*c, *common], env=env, **quiet) for c in (core, js)]
 
 
 async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def one(topo: Topology, topology: Path, who: str, rate: int | None, prefill: int
         r = {"took_s": time.monotonic() - t0, "unavailable_s": res["unavailable_s"], "missed": res["missed"]}
         assert res["outcome"] == "moved" and res["verify"]["ok"], res
     for p in procs:
-        p.wait(timeout=120)
+        assert p.wait(timeout=120) == 0, f"ferry load exited {p.returncode}"
     return {"who": who, "rate": rate or "max", **r, **tally(topo, name, out)}
 
 
