@@ -747,6 +747,9 @@ def main() -> None:
     except FerryError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         sys.exit(exc.exit_code)
+    except TimeoutError as exc:
+        err.print(f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__})")
+        sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)

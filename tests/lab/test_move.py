@@ -233,7 +233,27 @@ def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:
         r = ferry("move", "MOVE_R1", "--to", "west", topology=topology, timeout=120)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
+        wait_jetstream(topo)  # the next test needs a meta leader again
     assert r.returncode == 1 and "leader" in r.stderr, r.stderr
+
+
+def wait_jetstream(topo: Any, timeout: float = 90) -> None:
+    """Until streams can be created again (a stopped server may have led the meta group)."""
+
+    async def go() -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await make_stream(topo, "east", "PING_JS", ["ping_js.>"], placement="east")
+                async with bnats.session(topo.nats("east")) as nc:
+                    await mv.api(nc, "$JS.API.STREAM.DELETE.PING_JS")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    asyncio.run(go())
 
 
 def fill_big(topo: Any, stream: str, n: int = 40_000, size: int = 8000) -> None:
@@ -379,3 +399,17 @@ def test_cli_rejects_bad_input(supercluster: lab.LabState) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     r = ferry("move", "--cancel", "NOPE_NOT_MOVING", topology=topology)
     assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_streams_glob_moves_each_match_with_concurrency(supercluster: lab.LabState) -> None:
+    topology = topology_of(supercluster)
+    topo = profile_topology(supercluster)
+    for name in ("GLOB_1", "GLOB_2", "OTHER_1"):
+        asyncio.run(make_stream(topo, "east", name, [f"{name.lower()}.>"], placement="east"))
+    code, results, events = move(topology, "--streams", "GLOB_*", "--to", "west", "--concurrency", "2")
+    assert code == 0, results
+    assert sorted(r["stream"] for r in results) == ["GLOB_1", "GLOB_2"]
+    assert all(r["outcome"] == "moved" and r["cluster"] == "west" for r in results)
+    assert {e.get("stream") for e in events if e["event"] == "plan"} == {"GLOB_1", "GLOB_2"}
+    assert where(topology, "GLOB_1")[0] == where(topology, "GLOB_2")[0] == "west"
+    assert where(topology, "OTHER_1")[0] == "east"

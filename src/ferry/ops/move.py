@@ -645,8 +645,15 @@ async def move(
         bnats.session(cluster, client_name="ferry-move") as nc,
         bnats.session(cluster, system=True, client_name="ferry-move-sys") as sysnc,
     ):
+        try:  # a stream without a leader is refused before anything else is touched
+            await stream_info(nc, req.stream)
+        except BrokerUnavailable:
+            raise PreflightFailed(f"stream {req.stream!r} did not answer STREAM.INFO: no leader now") from None
         journal = Journal(nc, req.stream)
-        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+        try:
+            prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+        except (NatsTimeout, TimeoutError):
+            raise BrokerUnavailable(f"the journal bucket {BUCKET} did not answer; JetStream unavailable?") from None
         resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))
         if resuming and Journal.owner_alive(prior or {}):
             o = (prior or {}).get("owner", {})
@@ -887,7 +894,7 @@ async def move_many(
         async with gate:
             r = MoveRequest(**{**req.__dict__, "stream": name})
             try:
-                return await move(cluster, r, lambda ev, **d: emit(ev, stream=name, **d), stop)
+                return await move(cluster, r, lambda ev, **d: emit(ev, **{"stream": name, **d}), stop)
             except FerryError as exc:
                 emit("error", stream=name, error=str(exc))
                 return {
