@@ -118,11 +118,7 @@ async def window(topo: Topology, nc: Any, name: str, seq0: int, capture_dir: Pat
     captured = mv.read_captures(capture_dir)
     stored = await mv.stored_since(topo.nats("west"), name, seq0, last)
     rows, first = mv.missing(captured, stored)
-    when = dict(stored)
-    recv = captured.column("recv_ns").to_pylist()
-    pairs = [when[i] - recv[r] for i, r in first.items() if i in when]
-    offset = int(median(pairs)) if pairs else 0
-    return {"unavailable_s": mv.unavailable_window(recv, [t for _, t in stored], offset), "missed": len(rows)}
+    return {"unavailable_s": mv.measured_window(captured, stored, first), "missed": len(rows)}
 
 
 async def held_ids(topo: Topology, name: str) -> set[str]:

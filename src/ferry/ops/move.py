@@ -47,7 +47,7 @@ import time
 import uuid
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -234,16 +234,21 @@ def _in(info: dict, names: set[str]) -> bool:
     )
 
 
-async def consumers(nc: Client, stream: str) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+async def paged(nc: Client, subject: str, key: str) -> AsyncIterator[Any]:
+    """Every item of a paged JetStream list API (``offset`` / ``total``)."""
     offset = 0
     while True:
-        page = await api(nc, f"$JS.API.CONSUMER.LIST.{stream}", {"offset": offset})
-        for c in page.get("consumers") or []:
-            out[c["name"]] = c
-        offset += len(page.get("consumers") or [])
-        if not page.get("consumers") or offset >= page.get("total", 0):
-            return out
+        page = await api(nc, subject, {"offset": offset})
+        items = page.get(key) or []
+        for item in items:
+            yield item
+        offset += len(items)
+        if not items or offset >= page.get("total", 0):
+            return
+
+
+async def consumers(nc: Client, stream: str) -> dict[str, dict]:
+    return {c["name"]: c async for c in paged(nc, f"$JS.API.CONSUMER.LIST.{stream}", "consumers")}
 
 
 async def snapshot(nc: Client, stream: str) -> dict:
@@ -323,7 +328,6 @@ class Guard:
     def __init__(self, nc: Client, subjects: list[str], path: Path, flush_every: float = 0.2) -> None:
         self.nc, self.subjects, self.path, self.flush_every = nc, subjects, path, flush_every
         self.rows: dict[str, list] = {n: [] for n in CAPTURE_SCHEMA.names}
-        self.count = 0
         self._subs: list[Any] = []
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._sink: Any = None
@@ -348,7 +352,6 @@ class Guard:
         r["subject"].append(m.subject)
         r["headers"].append(list(m.headers.items()) if m.headers else None)
         r["payload"].append(m.data)
-        self.count += 1
 
     def _flush(self) -> None:
         if self.rows["recv_ns"] and self._writer:
@@ -447,6 +450,16 @@ def unavailable_window(capture_ns: list[int], stored_ns: list[int], offset_ns: i
     return best / 1e9
 
 
+def measured_window(captured: pa.Table, stored: list[tuple[str, int]], first: dict[str, int]) -> float:
+    """The unavailability window of a move, the capture clock mapped onto the store clock
+    through the messages both saw (`first`: identity -> first capture row, from :func:`missing`)."""
+    recv = captured.column("recv_ns").to_pylist()
+    when = dict(stored)
+    pairs = [when[ident] - recv[row] for ident, row in first.items() if ident in when]
+    offset = int(median(pairs)) if pairs else 0
+    return unavailable_window(recv, [ts for _, ts in stored], offset)
+
+
 # -- journal ---------------------------------------------------------------------------------------
 
 
@@ -527,6 +540,13 @@ async def account_name(nc: Client) -> str:
     return acc
 
 
+async def _led_stream_info(nc: Client, stream: str) -> dict:
+    try:
+        return await stream_info(nc, stream)
+    except BrokerUnavailable:
+        raise PreflightFailed(f"stream {stream!r} did not answer STREAM.INFO: no leader now") from None
+
+
 async def preflight(nc: Client, sysnc: Client, req: MoveRequest, resuming: bool = False) -> dict[str, Any]:
     """Refuse (PreflightFailed, nothing changed) or return the move's plan."""
     if not req.to and not req.to_tags:
@@ -534,10 +554,7 @@ async def preflight(nc: Client, sysnc: Client, req: MoveRequest, resuming: bool 
     view = await survey(sysnc)
     if not view.meta_leader:
         raise PreflightFailed("no JetStream meta leader: the super-cluster cannot place streams now")
-    try:
-        info = await stream_info(nc, req.stream)
-    except BrokerUnavailable:
-        raise PreflightFailed(f"stream {req.stream!r} did not answer STREAM.INFO: no leader now") from None
+    info = await _led_stream_info(nc, req.stream)
     cfg = info["config"]
     replicas = int(cfg.get("num_replicas", 1))
     if req.to and req.to not in view.clusters():
@@ -645,10 +662,7 @@ async def move(
         bnats.session(cluster, client_name="ferry-move") as nc,
         bnats.session(cluster, system=True, client_name="ferry-move-sys") as sysnc,
     ):
-        try:  # a stream without a leader is refused before anything else is touched
-            await stream_info(nc, req.stream)
-        except BrokerUnavailable:
-            raise PreflightFailed(f"stream {req.stream!r} did not answer STREAM.INFO: no leader now") from None
+        await _led_stream_info(nc, req.stream)  # a leaderless stream is refused before the journal is touched
         journal = Journal(nc, req.stream)
         try:
             prior = await journal.open(replicas=min(3, len(cluster.brokers)))
@@ -828,25 +842,14 @@ async def _reconcile(
     info = await stream_info(nc, stream)
     stored = await stored_since(cluster, stream, st["seq0"], info["state"]["last_seq"])
     rows, first = missing(captured, stored)
-    cols = captured.to_pydict()
-    # map capture clock onto the store clock through the matched messages
-    when = {ident: ts for ident, ts in stored}
-    pairs = []
-    for ident, row in first.items():
-        if ident in when:
-            pairs.append(when[ident] - cols["recv_ns"][row])
-    offset = int(median(pairs)) if pairs else 0
-    stored_ns = [ts for _, ts in stored]
-    window = unavailable_window(cols["recv_ns"], stored_ns, offset)
+    window = measured_window(captured, stored, first)
     reinjected = already = 0
     if rows:
         async with Publisher(nc, window=256, ack_timeout=2.0, give_up_after=60.0) as pub:
-            for row in rows:
-                headers = {k: v for k, v in (cols["headers"][row] or []) if not k.startswith("Nats-Expected")}
+            for m in captured.take(rows).to_pylist():
+                headers = {k: v for k, v in (m["headers"] or []) if not k.startswith("Nats-Expected")}
                 headers[REINJECTED] = st["move_id"]
-                await pub.publish(
-                    cols["subject"][row], cols["payload"][row], headers=headers, msg_id=headers.get(MSG_ID)
-                )
+                await pub.publish(m["subject"], m["payload"], headers=headers, msg_id=headers.get(MSG_ID))
             stats = await pub.flush(timeout=120)
         if stats.failed:
             raise FerryError(f"re-publishing {len(rows)} missed messages: {stats.failed} failed ({stats.errors[:1]})")
@@ -884,7 +887,7 @@ async def move_many(
 ) -> list[dict[str, Any]]:
     """Every stream whose name matches `pattern`, `concurrency` at a time (one move per stream)."""
     async with bnats.session(cluster) as nc:
-        names = sorted([n async for n in _stream_names(nc)])
+        names = sorted([n async for n in paged(nc, "$JS.API.STREAM.NAMES", "streams")])
     chosen = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n != "KV_" + BUCKET]
     if not chosen:
         raise NotFound(f"no stream matches {pattern!r}")
@@ -904,18 +907,6 @@ async def move_many(
                 }
 
     return list(await asyncio.gather(*(one(n) for n in chosen)))
-
-
-async def _stream_names(nc: Client) -> Any:
-    offset = 0
-    while True:
-        page = await api(nc, "$JS.API.STREAM.NAMES", {"offset": offset})
-        names = page.get("streams") or []
-        for n in names:
-            yield n
-        offset += len(names)
-        if not names or offset >= page.get("total", 0):
-            return
 
 
 async def status(cluster: NatsCluster, stream: str) -> dict[str, Any]:
