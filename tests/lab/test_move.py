@@ -347,9 +347,7 @@ def test_repair_recreates_a_consumer_left_past_the_last_sequence(tmp_path: Path)
             await js.publish("reset.x", str(i).encode())
         psub = await js.pull_subscribe("reset.>", durable="STUCK", stream="RESET")
         for m in await psub.fetch(50, timeout=5):
-            await m.ack()
-        await nc.flush()
-        await asyncio.sleep(0.2)
+            await m.ack_sync()
         await nc.close()
 
     async def publish_new() -> tuple[int, int, int]:
@@ -374,7 +372,9 @@ def test_repair_recreates_a_consumer_left_past_the_last_sequence(tmp_path: Path)
         asyncio.run(fill_and_consume())
         proc.terminate()
         proc.wait(timeout=20)
-        for f in (store / "jetstream" / "$G" / "streams" / "RESET" / "msgs").iterdir():
+        stream_dir = store / "jetstream" / "$G" / "streams" / "RESET"
+        assert (stream_dir / "obs" / "STUCK" / "o.dat").exists(), "the consumer's state was not written at shutdown"
+        for f in (stream_dir / "msgs").iterdir():
             f.unlink()
         proc = server()
         assert asyncio.run(publish_new()) == (5, 50, 0)  # stuck: 5 new messages, none pending for it

@@ -197,6 +197,10 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
         health = state.health()
         bad = {k: v for k, v in health.items() if v != "ok"}
         if not bad:
+            if state.nats:
+                app_pw = (state.path / "secrets" / "app").read_text().strip()
+                for deployment in state.nats:
+                    lab_nats.warm_mqtt([lab_nats.NatsServer(**s) for s in deployment], app_pw)
             return
         if time.monotonic() > deadline:
             name, why = next(iter(bad.items()))

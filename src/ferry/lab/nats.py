@@ -179,3 +179,17 @@ def health(servers: list[NatsServer]) -> dict[str, str]:
         for name in out:
             out[name] = f"servers disagree on the meta leader ({', '.join(sorted(leaders))})"
     return out
+
+
+def warm_mqtt(servers: list[NatsServer], app_pw: str, timeout: float = 60.0) -> None:
+    """One MQTT session per server, so the account's MQTT JetStream assets exist before `up` returns.
+
+    NATS creates them on an account's first MQTT connect, which can take longer
+    than a client's CONNACK wait on a busy machine.
+    """
+    import asyncio
+
+    from ferry.brokers.base import mqtt_probe
+
+    for s in servers:
+        asyncio.run(mqtt_probe(f"mqtt://127.0.0.1:{s.mqtt}", APP_USER, app_pw, timeout=timeout))
