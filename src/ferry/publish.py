@@ -37,6 +37,8 @@ from ferry.errors import FerryError
 __all__ = ["Ack", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
 
 MSG_ID = "Nats-Msg-Id"
+SOURCE_HDR = "Ferry-Source"  # what ferry's data plane adds to a copy: where it came from
+SOURCE_SEQ_HDR = "Ferry-Source-Seq"
 _NO_RESPONDERS = "503"
 
 

@@ -61,7 +61,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
-from ferry.publish import Publisher
+from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Publisher
 from ferry.topology import NatsCluster
 
 __all__ = [
@@ -76,7 +76,6 @@ __all__ = [
 ]
 
 REINJECTED = "Ferry-Reinjected"
-MSG_ID = "Nats-Msg-Id"
 BUCKET = "ferry_ops"
 STALE_AFTER = 10.0  # seconds without a heartbeat before another ferry may take a move over
 CAPTURE_SCHEMA = pa.schema(
@@ -310,13 +309,20 @@ def verify(pre: dict, post: dict) -> list[str]:
 
 
 def identity(subject: str, headers: dict[str, str] | None, payload: bytes) -> str:
-    """A message's identity: its Nats-Msg-Id, else a digest of subject, headers and payload."""
-    if headers and headers.get(MSG_ID):
-        return "id:" + headers[MSG_ID]
+    """A message's identity: its Nats-Msg-Id, else a digest of subject, headers and payload.
+
+    What ferry's data plane adds to a copy (``Ferry-Source*``, and the ``<source>:<seq>``
+    id it gives a message that had none) is not part of the identity, so a copy and
+    the original heard live are the same message.
+    """
+    headers = headers or {}
+    msg_id = headers.get(MSG_ID)
+    if msg_id and msg_id != f"{headers.get(SOURCE_HDR)}:{headers.get(SOURCE_SEQ_HDR)}":
+        return "id:" + msg_id
     h = hashlib.blake2b(digest_size=16)
     h.update(subject.encode() + b"\0")
-    for k, v in sorted((headers or {}).items()):
-        if k != REINJECTED and not k.startswith("Nats-Expected"):
+    for k, v in sorted(headers.items()):
+        if k not in (REINJECTED, MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR) and not k.startswith("Nats-Expected"):
             h.update(f"{k}\0{v}\0".encode())
     h.update(payload)
     return "c:" + h.hexdigest()
@@ -736,7 +742,7 @@ async def move(
                 await guard.stop()
         result["outcome"] = st["outcome"]
         if guard or (capture_dir.exists() and any(capture_dir.glob("capture-*.arrow"))):
-            result.update(await _reconcile(cluster, nc, req.stream, st, capture_dir, emit))
+            result.update(await reconcile(cluster, nc, req.stream, st, capture_dir, emit))
         post = await snapshot(nc, req.stream)
         problems = verify(st["pre"], post)
         result["verify"] = {"ok": not problems, "problems": problems, "last_seq": post["last_seq"]}
@@ -825,7 +831,7 @@ async def _watch(
     return outcome, {"leader_changes": changes, "leaderless_s": round(leaderless, 3), "moved_in_s": round(now - t0, 3)}
 
 
-async def _reconcile(
+async def reconcile(
     cluster: NatsCluster, nc: Client, stream: str, st: dict[str, Any], capture_dir: Path, emit: Emit
 ) -> dict[str, Any]:
     """Compare what the guard heard with what the stream holds; re-publish what it lacks."""

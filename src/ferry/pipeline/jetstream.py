@@ -73,7 +73,7 @@ from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.pipeline._common import WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
-from ferry.publish import MSG_ID, Ack, Pacer, Publisher
+from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Ack, Pacer, Publisher
 from ferry.topology import NatsCluster
 
 __all__ = [
@@ -86,8 +86,6 @@ __all__ = [
     "write_batches",
 ]
 
-SOURCE_HDR = "Ferry-Source"
-SOURCE_SEQ_HDR = "Ferry-Source-Seq"
 _EXPECTED = (
     "Nats-Expected-Stream",
     "Nats-Expected-Last-Sequence",
