@@ -493,6 +493,193 @@ def repair_consumers_cmd(
 # -- proof: load, snapshot, audit -----------------------------------------------------------
 
 
+# -- partition ------------------------------------------------------------------------------
+
+partition_app = typer.Typer(
+    **_plain, help="Subjects partitioned across JetStream streams, with exact ownership.", no_args_is_help=True
+)
+app.add_typer(partition_app, name="partition")
+MapArg = Annotated[Path, typer.Argument(help="Partition map (YAML).")]
+ViaOpt = Annotated[
+    str | None, typer.Option("--via", help="Topology cluster to connect through (default: the first NATS one).")
+]
+
+
+def _via(topo: Any, via: str | None) -> str:
+    """The NATS cluster to connect through: `via`, else the topology's first."""
+    from ferry.errors import ConfigError
+
+    names = [name for _, name, c in topo.clusters() if c.kind == "nats"]
+    if via:
+        topo.nats(via)  # unknown -> one-line error
+        return via
+    if not names:
+        raise ConfigError("the topology has no NATS cluster")
+    return names[0]
+
+
+@partition_app.command("check")
+def partition_check(
+    file: MapArg,
+    traffic: Annotated[
+        Path | None, typer.Option("--traffic", help="A `ferry snapshot` directory: report subjects nobody owns.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Report invalid patterns, every overlapping pair (with a subject both own) and unowned traffic."""
+    from ferry.ops import partition as pt
+
+    pmap = pt.load_map(file)
+    report = pt.check(pmap)
+    if traffic:
+        report["unowned_traffic"] = pt.unowned_traffic(pmap, traffic)
+        report["ok"] = report["ok"] and not report["unowned_traffic"]
+    if as_json:
+        print_json(report)
+    else:
+        for line in report["problems"]:
+            err.print(f"problem: {line}", highlight=False)
+        for x in report.get("unowned_traffic", []):
+            err.print(f"unowned: {x['subject']!r} ({x['messages']:,} messages) has no owner", highlight=False)
+        if report["ok"]:
+            out.print(
+                f"ok: map {pmap.name}: {report['partitions']} partitions, {report['patterns']} patterns, no overlap"
+            )
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@partition_app.command("route")
+def partition_route(
+    subjects: Annotated[list[str], typer.Argument(help="Literal subjects to route.")],
+    map_file: Annotated[
+        Path | None, typer.Option("--map", help="Route by this map file instead of the claims in the cluster.")
+    ] = None,
+    via: ViaOpt = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Name the partition owning each subject, or say that none does (exit 1 if any has no owner)."""
+    from ferry.ops import partition as pt
+
+    if map_file:
+        maps = [pt.load_map(map_file)]
+    else:
+        topo = _topology(topology)
+
+        async def claimed() -> list[Any]:
+            async with _nats_session(topo, via) as nc:
+                return pt.claimed_maps(await pt.read_claims(nc))
+
+        maps = run(claimed())
+    rows = pt.route(maps, subjects)
+    if as_json:
+        print_json(rows)
+    else:
+        for r in rows:
+            if r.get("owner"):
+                where = f" in {r['cluster']}" if r.get("cluster") else ""
+                out.print(
+                    f"{r['subject']} -> {r['owner']} (stream {r['stream']}{where}, map {r['map']})", highlight=False
+                )
+            else:
+                err.print(f"{r['subject']}: {r['error']}", highlight=False)
+    if any("error" in r for r in rows):
+        raise typer.Exit(1)
+
+
+@contextlib.asynccontextmanager
+async def _nats_session(topo: Any, via: str | None) -> Any:
+    from ferry.brokers import nats as bnats
+
+    name = _via(topo, via)
+    async with bnats.session(topo.nats(name), name=name, client_name="ferry-partition") as nc:
+        yield nc
+
+
+@partition_app.command("plan")
+def partition_plan(file: MapArg, via: ViaOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+    """What applying MAP would change: streams created or updated, subjects changing owner and messages moving."""
+    from ferry.ops import partition as pt
+
+    pmap = pt.load_map(file)
+    topo = _topology(topology)
+    result = run(pt.apply(topo, _via(topo, via), pmap, dry_run=True))
+    if as_json:
+        print_json(result)
+    else:
+        _print_partition_plan(result)
+
+
+@partition_app.command("apply")
+def partition_apply(
+    file: MapArg,
+    execute: Annotated[
+        bool, typer.Option("--execute", help="Carry out a repartition: move stored messages to their new owners.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    via: ViaOpt = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Claim MAP's subjects and create or update one stream per partition capturing exactly its patterns."""
+    from ferry.ops import partition as pt
+
+    pmap = pt.load_map(file)
+    topo = _topology(topology)
+    emit = _json_events if as_json else _print_partition_event
+    result = run(pt.apply(topo, _via(topo, via), pmap, execute=execute, dry_run=dry_run, emit=emit))
+    if as_json:
+        print_json(result)
+
+
+def _print_partition_plan(p: dict[str, Any]) -> None:
+    out.print(f"map {p['map']}" + (" (a repartition is pending)" if p.get("pending") else ""), highlight=False)
+    for c in p["create"]:
+        out.print(f"  create {c['stream']} for partition {c['partition']}: {', '.join(c['patterns'])}", highlight=False)
+    for u in p["update"]:
+        extra = f", R{u['replicas']}" if "replicas" in u else ""
+        out.print(f"  update {u['stream']}: {', '.join(u['from'])} -> {', '.join(u['to'])}{extra}", highlight=False)
+    for m in p["moves"]:
+        out.print(
+            f"  move {m['pattern']} from {m['from']} to {m['to']}: {m['messages']:,} stored messages", highlight=False
+        )
+    for r in p["retire"]:
+        out.print(f"  retire {r['stream']} from the map (keeps {', '.join(r['keeps'])}; its messages stay)")
+    if not (p["create"] or p["update"] or p["moves"] or p["retire"]):
+        out.print("  nothing to change")
+    for line in p["refusals"]:
+        err.print(f"refused: {line}", highlight=False)
+
+
+def _print_partition_event(event: str, **data: Any) -> None:
+    if event == "plan":
+        _print_partition_plan(data)
+        return
+    if event == "copied":
+        line = (
+            f"copied {data['messages']:,} messages of {data['pattern']} "
+            f"{data['from']} -> {data['to']} (<= seq {data['up_to']:,})"
+        )
+    elif event == "switched":
+        line = f"switched owners: the moving subjects had no stream for {data['seconds'] * 1000:.1f} ms"
+    elif event == "guard":
+        line = (
+            f"guard on {data['stream']}: heard {data['captured']:,}, the new owner lacked "
+            f"{data['missed']:,}, re-published {data['reinjected']:,} (already stored by a retry: "
+            f"{data['already_stored']:,})"
+        )
+    elif event == "done":
+        line = f"applied map {data['map']} in {data['took_s']:.2f}s" + (
+            f": moved {data['copied']:,} messages, purged {data['purged']:,} from the old owners"
+            if "copied" in data
+            else ""
+        )
+    else:
+        line = f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items())
+    err.print(line, highlight=False)
+
+
 @app.command("load")
 def load_cmd(
     target: Annotated[str, typer.Argument(help="nats://CLUSTER (core), jetstream://CLUSTER, rabbitmq://CLUSTER/VHOST")],

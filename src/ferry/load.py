@@ -168,6 +168,9 @@ async def run_load(
         topology.rabbitmq(cluster)
     else:
         topology.nats(cluster)
+        from ferry.subjects import tokens
+
+        tokens(opts.subject.replace("{n}", "0"), literal=True)  # a publish needs a literal subject
     stop = stop or asyncio.Event()
     ledger = Ledger(opts.ledger)
     summary = LoadSummary(opts.run, str(opts.ledger))

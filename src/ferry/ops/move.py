@@ -531,9 +531,10 @@ class Journal:
 # -- the move ----------------------------------------------------------------------------------------
 
 
-def _state_dir(req: MoveRequest) -> Path:
-    if req.state_dir:
-        return req.state_dir
+def state_root(given: Path | None = None) -> Path:
+    """Where ferry keeps capture files: `given`, else $FERRY_STATE_DIR, else ~/.local/state/ferry."""
+    if given:
+        return given
     env = os.environ.get("FERRY_STATE_DIR")
     return Path(env) if env else Path.home() / ".local" / "state" / "ferry"
 
@@ -693,7 +694,7 @@ async def move(
             capture_dir = Path(journal.state["capture_dir"])
         else:
             move_id = uuid.uuid4().hex[:12]
-            capture_dir = _state_dir(req) / "moves" / f"{req.stream}-{move_id}"
+            capture_dir = state_root(req.state_dir) / "moves" / f"{req.stream}-{move_id}"
             pre = await snapshot(nc, req.stream)
             journal.state = {
                 "stream": req.stream,

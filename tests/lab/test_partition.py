@@ -1,0 +1,242 @@
+"""`ferry partition` on the lab super-cluster: exact ownership, safe concurrent claims, a split under load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from nats.js.errors import NoStreamResponseError
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.ops import move as mv
+from ferry.ops import partition as pt
+from tests.helpers import FERRY, ferry
+from tests.lab.test_move import audit, finish, start_load
+
+pytestmark = pytest.mark.lab
+
+
+def write_map(path: Path, name: str, partitions: list[dict[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump({"name": name, "partitions": partitions}))
+    return path
+
+
+async def per_subject(nc: Any, stream: str) -> dict[str, int]:
+    info = await mv.stream_info(nc, stream, subjects_filter=">")
+    return info["state"].get("subjects") or {}
+
+
+async def forget(nc: Any, maps: list[str], streams: list[str]) -> None:
+    """Remove what a test claimed and created (the claims record is shared by the lab's account)."""
+    kv = await pt._bucket(nc)
+    record, revision = await pt._read(kv)
+    for m in maps:
+        record["maps"].pop(m, None)
+    await kv.update(pt.KEY, json.dumps(record).encode(), last=revision)
+    for s in streams:
+        with contextlib.suppress(Exception):
+            await mv.api(nc, f"$JS.API.STREAM.DELETE.{s}")
+
+
+FOUR = [
+    {"name": "eu", "stream": "PT_EU", "cluster": "east", "replicas": 3, "patterns": ["pt.eu.>"]},
+    {"name": "us", "stream": "PT_US", "cluster": "west", "replicas": 3, "patterns": ["pt.us.>"]},
+    {"name": "orders", "stream": "PT_ORDERS", "cluster": "east", "patterns": ["pt.ap.*", "pt.sa.*.orders"]},
+    {"name": "audit", "stream": "PT_AUDIT", "cluster": "west", "patterns": ["pt.audit"]},
+]
+
+
+def test_four_partitions_each_message_lands_in_its_owner(supercluster: lab.LabState, tmp_path: Path) -> None:
+    topology = supercluster.path / "topology.yaml"
+    bad = write_map(tmp_path / "bad.yaml", "pt4", [*FOUR[:2], {**FOUR[2], "patterns": ["pt.*.orders"]}, FOUR[3]])
+    r = ferry("partition", "apply", str(bad), topology=topology)
+    assert r.returncode == 2 and "overlaps partition 'orders' 'pt.*.orders'" in r.stderr, r.stderr
+    r = ferry("partition", "check", str(bad), "--json", topology=topology)
+    assert r.returncode == 1
+    witnesses = {o["witness"] for o in json.loads(r.stdout)["overlaps"]}
+    assert witnesses == {"pt.eu.orders", "pt.us.orders"}
+    four = write_map(tmp_path / "four.yaml", "pt4", FOUR)
+    ferry("partition", "check", str(four), topology=topology, check=True)
+    ferry("partition", "apply", str(four), topology=topology, check=True)
+    pmap = pt.load_map(four)
+    index = pmap.index()
+    regions = ["eu", "us", "ap", "sa", "audit", "xx"]
+    subjects = [f"pt.{regions[i % 6]}.{i}" if i % 6 != 3 else f"pt.sa.{i}.orders" for i in range(1000)]
+    subjects = [s if not s.startswith("pt.audit.") else "pt.audit" for s in subjects]
+
+    async def go() -> None:
+        async with bnats.session(supercluster_topology(supercluster).nats("west")) as nc:
+            js = nc.jetstream()
+            expected: dict[str, dict[str, int]] = {p.stream: {} for p in pmap.partitions}
+            unowned = 0
+            for s in subjects:
+                owner = index.route(s)
+                if owner is None:
+                    t0 = time.monotonic()
+                    with pytest.raises(NoStreamResponseError):
+                        await js.publish(s, b"x", timeout=5)
+                    assert time.monotonic() - t0 < 1  # no stream: refused at once, not a time-out
+                    unowned += 1
+                    continue
+                ack = await js.publish(s, b"x", timeout=5)
+                part = owner[0]
+                assert ack.stream == part.stream, (s, ack.stream, part.stream)
+                expected[part.stream][s] = expected[part.stream].get(s, 0) + 1
+            assert unowned > 100
+            for stream, want in expected.items():
+                assert await per_subject(nc, stream) == want, stream
+            await forget(nc, ["pt4"], [p.stream for p in pmap.partitions])
+
+    asyncio.run(go())
+    r = ferry("partition", "route", "--map", str(four), "pt.eu.1", "pt.xx.1", "pt.*", topology=topology)
+    assert r.returncode == 1
+    assert "pt.eu.1 -> eu (stream PT_EU in east" in r.stdout
+    assert "no partition owns 'pt.xx.1'" in r.stderr and "literal subject is required" in r.stderr
+
+
+def supercluster_topology(state: lab.LabState):  # type: ignore[no-untyped-def]
+    from ferry.topology import load_topology
+
+    return load_topology(state.path / "topology.yaml")
+
+
+def test_concurrent_conflicting_claims_exactly_one_wins(supercluster: lab.LabState, tmp_path: Path) -> None:
+    topo = supercluster_topology(supercluster)
+    rivals = [
+        pt.PartitionMap(
+            name=f"rival{i}", partitions=[pt.Partition(name=f"r{i}", stream=f"RIVAL{i}", patterns=[pattern])]
+        )
+        for i, pattern in enumerate(["cc.*.orders", "cc.eu.*", "cc.>", "cc.eu.orders", "cc.*.*"])
+    ]
+
+    async def claims() -> list[Any]:
+        async with bnats.session(topo.nats("east")) as nc:
+            kv = await pt._bucket(nc)
+            return await asyncio.gather(*(pt.claim(kv, m, None) for m in rivals), return_exceptions=True)
+
+    for _ in range(3):  # the same race, three times
+        results = asyncio.run(claims())
+        winners = [r for r in results if isinstance(r, dict)]
+        losers = [r for r in results if isinstance(r, Exception)]
+        assert len(winners) == 1, results
+        assert all(
+            isinstance(e, pt.Conflict) and "overlaps" in str(e) and "owned by partition" in str(e) for e in losers
+        )
+
+        async def cleanup() -> None:
+            async with bnats.session(topo.nats("east")) as nc:
+                await forget(nc, [m.name for m in rivals], [])
+
+        asyncio.run(cleanup())
+
+    # two `ferry partition apply` processes started together: one applies, the other is refused cleanly
+    a = write_map(tmp_path / "a.yaml", "proc-a", [{"name": "a", "stream": "CC_A", "patterns": ["cc.*.orders"]}])
+    b = write_map(tmp_path / "b.yaml", "proc-b", [{"name": "b", "stream": "CC_B", "patterns": ["cc.eu.>"]}])
+    env = {"FERRY_TOPOLOGY": str(supercluster.path / "topology.yaml")}
+    procs = [
+        subprocess.Popen(
+            [*FERRY, "partition", "apply", str(m)],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in (a, b)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 1], outs
+    loser = outs[[p.returncode for p in procs].index(1)][1]
+    assert "both would own 'cc.eu.orders'" in loser, loser
+
+    async def check_streams() -> None:
+        async with bnats.session(topo.nats("east")) as nc:
+            streams = await pt.list_streams(nc)
+            won = "CC_A" if procs[0].returncode == 0 else "CC_B"
+            lost = "CC_B" if won == "CC_A" else "CC_A"
+            assert won in streams and lost not in streams  # the loser changed nothing
+            await forget(nc, ["proc-a", "proc-b"], [won])
+
+    asyncio.run(check_streams())
+
+
+def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, tmp_path: Path) -> None:
+    topology = supercluster.path / "topology.yaml"
+    v1 = write_map(
+        tmp_path / "v1.yaml",
+        "split",
+        [
+            {
+                "name": "orders",
+                "stream": "SPLIT",
+                "cluster": "east",
+                "replicas": 3,
+                "patterns": ["split.eu.>", "split.us.>"],
+            }
+        ],
+    )
+    v2 = write_map(
+        tmp_path / "v2.yaml",
+        "split",
+        [
+            {"name": "orders", "stream": "SPLIT", "cluster": "east", "replicas": 3, "patterns": ["split.eu.>"]},
+            {"name": "orders-us", "stream": "SPLIT_US", "cluster": "east", "replicas": 3, "patterns": ["split.us.>"]},
+        ],
+    )
+    ferry("partition", "apply", str(v1), topology=topology, check=True)
+    led = tmp_path / "ledger"
+    # 2,000 msg/s in all, until the repartition is over: the moving subjects get fire-and-forget
+    # (core) and acked JetStream publishes
+    loads = [
+        start_load(
+            topology, "nats://west", "split.us.c{n}", led / "us" / "kind=core", 600, "--no-msg-id", "--rate", "700"
+        ),
+        start_load(topology, "jetstream://east", "split.us.j{n}", led / "us" / "kind=js", 600, "--rate", "700"),
+        start_load(topology, "jetstream://west", "split.eu.{n}", led / "eu" / "kind=js", 600, "--rate", "600"),
+    ]
+    try:
+        time.sleep(4)
+        r = ferry("partition", "apply", str(v2), topology=topology)
+        assert r.returncode == 2 and "--execute" in r.stderr  # a repartition is never implicit
+        plan = json.loads(ferry("partition", "plan", str(v2), "--json", topology=topology, check=True).stdout)
+        assert [(m["from"], m["to"], m["pattern"]) for m in plan["moves"]] == [("SPLIT", "SPLIT_US", "split.us.>")]
+        assert plan["messages_to_move"] > 2000
+        r = ferry("partition", "apply", str(v2), "--execute", "--json", topology=topology, timeout=240)
+        time.sleep(2)
+    finally:
+        for p in loads:
+            p.send_signal(signal.SIGTERM)
+    for p in loads:
+        finish(p)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["purged"] == result["copied"] > 2000
+    assert result["guard"]["SPLIT_US"]["captured"] > 0  # the switch happened under load
+    us = audit(topology, led / "us", "jetstream://east/SPLIT_US", tmp_path / "us.html")
+    eu = audit(topology, led / "eu", "jetstream://east/SPLIT", tmp_path / "eu.html")
+    for t in (us, eu):
+        assert t["lost"] == 0 and t["duplicated"] == 0 and t["unexpected"] == 0, t
+
+    async def after() -> None:
+        async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
+            assert not [s for s in await per_subject(nc, "SPLIT") if s.startswith("split.us.")]
+            streams = await pt.list_streams(nc)
+            assert streams["SPLIT"]["config"]["subjects"] == ["split.eu.>"]
+            assert streams["SPLIT_US"]["config"]["subjects"] == ["split.us.>"]
+            assert not streams["SPLIT_US"]["config"].get("subject_transform")
+            record = await pt.read_claims(nc)
+            assert record["maps"]["split"].get("pending") is None
+            assert [p["stream"] for p in record["maps"]["split"]["map"]["partitions"]] == ["SPLIT", "SPLIT_US"]
+            await forget(nc, ["split"], ["SPLIT", "SPLIT_US"])
+
+    asyncio.run(after())
