@@ -172,8 +172,13 @@ class Publisher:
         self._pending[token] = p
         self._idle.clear()
         p.sent = time.monotonic()
+        if not self.nc.is_connected:  # nats-py would buffer (and then block): the reaper re-sends or gives up
+            p.ack.error = "not connected"
+            return
         try:
-            await self.nc.publish(p.subject, p.payload, reply=self._prefix + token, headers=p.headers)
+            await asyncio.wait_for(
+                self.nc.publish(p.subject, p.payload, reply=self._prefix + token, headers=p.headers), self.ack_timeout
+            )
         except Exception as exc:  # closed/draining connection: let the reaper retry or fail it
             p.ack.error = f"{type(exc).__name__}: {exc}"
 
@@ -232,6 +237,8 @@ class Publisher:
                     p.ack.error = p.ack.error or f"no ack within {self.give_up_after:.0f}s"
                     self._finish(token, p)
                     continue
+                if not self.nc.is_connected:
+                    continue  # re-send once reconnected (or give up above)
                 del self._pending[token]
                 p.ack.attempts += 1
                 p.ack.error = None
