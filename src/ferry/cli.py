@@ -609,6 +609,8 @@ def partition_plan(file: MapArg, via: ViaOpt = None, topology: TopologyOpt = Non
         print_json(result)
     else:
         _print_partition_plan(result)
+    if result["refusals"]:
+        raise typer.Exit(1)
 
 
 @partition_app.command("apply")
@@ -618,6 +620,9 @@ def partition_apply(
         bool, typer.Option("--execute", help="Carry out a repartition: move stored messages to their new owners.")
     ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Apply although a repartition of this map did not finish (checked by hand).")
+    ] = False,
     via: ViaOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
@@ -628,9 +633,13 @@ def partition_apply(
     pmap = pt.load_map(file)
     topo = _topology(topology)
     emit = _json_events if as_json else _print_partition_event
-    result = run(pt.apply(topo, _via(topo, via), pmap, execute=execute, dry_run=dry_run, emit=emit))
+    result = run(pt.apply(topo, _via(topo, via), pmap, execute=execute, dry_run=dry_run, force=force, emit=emit))
     if as_json:
         print_json(result)
+    elif dry_run:
+        _print_partition_plan(result)
+    if result["refusals"]:
+        raise typer.Exit(1)
 
 
 def _print_partition_plan(p: dict[str, Any]) -> None:

@@ -176,9 +176,7 @@ class Publisher:
             p.ack.error = "not connected"
             return
         try:
-            await asyncio.wait_for(
-                self.nc.publish(p.subject, p.payload, reply=self._prefix + token, headers=p.headers), self.ack_timeout
-            )
+            await self.nc.publish(p.subject, p.payload, reply=self._prefix + token, headers=p.headers)
         except Exception as exc:  # closed/draining connection: let the reaper retry or fail it
             p.ack.error = f"{type(exc).__name__}: {exc}"
 

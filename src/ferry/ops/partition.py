@@ -59,12 +59,13 @@ from nats.aio.client import Client
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.brokers import nats as bnats
-from ferry.errors import ConfigError, Conflict, OperationFailed, PreflightFailed, UsageError
+from ferry.errors import BrokerUnavailable, ConfigError, Conflict, OperationFailed, PreflightFailed, UsageError
 from ferry.subjects import SubjectError, SubjectIndex, overlap_witness, problem
 from ferry.topology import Topology
 
 __all__ = ["PartitionMap", "apply", "check", "load_map", "plan", "read_claims", "route", "unowned_traffic"]
 
+RESERVED = ("ferry.stage.>", "ferry.retired.>")
 BUCKET = "ferry_partitions"
 KEY = "claims"
 Emit = Callable[..., None]
@@ -96,15 +97,14 @@ class PartitionMap(BaseModel):
     def index(self) -> SubjectIndex[tuple[Partition, str]]:
         return SubjectIndex((p, (part, p)) for part in self.partitions for p in part.patterns if not problem(p))
 
-    def partition(self, name: str) -> Partition | None:
-        return next((p for p in self.partitions if p.name == name), None)
-
 
 def load_map(path: Path) -> PartitionMap:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -139,6 +139,15 @@ def check(pmap: PartitionMap) -> dict[str, Any]:
             why = problem(pattern)
             if why:
                 invalid.append({"partition": part.name, "pattern": pattern, "problem": why})
+                continue
+            if any(overlap_witness(pattern, r) for r in RESERVED):
+                invalid.append(
+                    {
+                        "partition": part.name,
+                        "pattern": pattern,
+                        "problem": f"{pattern!r} overlaps {RESERVED}, which ferry reserves for staging a repartition",
+                    }
+                )
                 continue
             for other, q in index.overlapping(pattern):
                 overlaps.append(
@@ -196,7 +205,7 @@ def unowned_traffic(pmap: PartitionMap, snapshot: Path) -> list[dict[str, Any]]:
         raise ConfigError(f"--traffic {snapshot}: not a ferry snapshot ({type(exc).__name__}: {exc})") from None
     index = pmap.index()
     out = []
-    for subject, n in sorted(counts.items()):
+    for subject, n in sorted(counts.items(), key=lambda kv: kv[0] or ""):
         try:
             if subject is not None and index.route(subject) is None:
                 out.append({"subject": subject, "messages": n})
@@ -238,9 +247,12 @@ async def _bucket(nc: Client, create: bool = True) -> Any:
     except BucketNotFoundError:
         if not create:
             return None
-        with contextlib.suppress(Exception):  # another ferry created it meanwhile
+        try:
             return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=10, replicas=3))
-        return await js.key_value(BUCKET)
+        except Exception as exc:
+            with contextlib.suppress(BucketNotFoundError):
+                return await js.key_value(BUCKET)  # another ferry created it meanwhile
+            raise BrokerUnavailable(f"cannot create the claims bucket {BUCKET} (R3): {exc}") from None
 
 
 async def _read(kv: Any) -> tuple[dict[str, Any], int]:
@@ -250,7 +262,13 @@ async def _read(kv: Any) -> tuple[dict[str, Any], int]:
         entry = await kv.get(KEY)
     except KeyNotFoundError:
         return {"maps": {}}, 0
-    return (json.loads(entry.value) if entry.value else {"maps": {}}), entry.revision
+    try:
+        record = json.loads(entry.value) if entry.value else {"maps": {}}
+        for m in record["maps"].values():
+            PartitionMap.model_validate(m.get("pending") or m["map"])
+    except (ValueError, KeyError, TypeError, ValidationError) as exc:
+        raise ConfigError(f"the claims record {BUCKET}/{KEY} is not ferry's ({type(exc).__name__})") from None
+    return record, entry.revision
 
 
 async def read_claims(nc: Client) -> dict[str, Any]:
@@ -259,34 +277,38 @@ async def read_claims(nc: Client) -> dict[str, Any]:
 
 
 def claimed_maps(record: dict[str, Any]) -> list[PartitionMap]:
-    """Every map in the record (a pending repartition counts as its new map, already owned)."""
-    out = []
-    for entry in record["maps"].values():
-        for key in ("map", "pending"):
-            if entry.get(key):
-                out.append(PartitionMap.model_validate(entry[key]))
-    return out
+    """Every map as currently applied (a repartition in progress has not changed owners yet)."""
+    return [PartitionMap.model_validate(e["map"]) for e in record["maps"].values() if e.get("map")]
 
 
 def foreign_conflicts(record: dict[str, Any], pmap: PartitionMap) -> list[str]:
-    """Our patterns that overlap a pattern another map claims (or has pending), one line each."""
+    """Our patterns and streams that another map claims (or has pending), one line each."""
     index: SubjectIndex[tuple[str, dict, Partition, str]] = SubjectIndex()
+    streams: dict[str, tuple[str, dict, Partition]] = {}
     for name, entry in record["maps"].items():
         if name == pmap.name:
             continue
         for key in ("map", "pending"):
-            if entry.get(key):
-                for part in PartitionMap.model_validate(entry[key]).partitions:
-                    for q in part.patterns:
-                        index.insert(q, (name, entry.get("by") or {}, part, q))
+            for part in PartitionMap.model_validate(entry[key]).partitions if entry.get(key) else []:
+                streams[part.stream] = (name, entry.get("by") or {}, part)
+                for q in part.patterns:
+                    index.insert(q, (name, entry.get("by") or {}, part, q))
+
+    def owner(other: str, by: dict, opart: Partition) -> str:
+        return (
+            f"partition {opart.name!r} (stream {opart.stream}) of map {other!r}, claimed by "
+            f"{by.get('host', '?')} pid {by.get('pid', '?')} at {by.get('at', '?')}"
+        )
+
     out = []
     for part in pmap.partitions:
+        if part.stream in streams:
+            out.append(f"stream {part.stream!r} of partition {part.name!r} belongs to {owner(*streams[part.stream])}")
         for p in part.patterns:
             for other, by, opart, q in index.overlapping(p):
                 out.append(
-                    f"pattern {p!r} of partition {part.name!r} overlaps {q!r}, owned by partition {opart.name!r} "
-                    f"(stream {opart.stream}) of map {other!r}, claimed by {by.get('host', '?')} pid "
-                    f"{by.get('pid', '?')} at {by.get('at', '?')}; both would own {overlap_witness(p, q)!r}"
+                    f"pattern {p!r} of partition {part.name!r} overlaps {q!r}, owned by {owner(other, by, opart)}; "
+                    f"both would own {overlap_witness(p, q)!r}"
                 )
     return out
 
@@ -366,10 +388,15 @@ async def list_streams(nc: Client) -> dict[str, dict[str, Any]]:
 
 
 async def stored_count(nc: Client, stream: str, pattern: str) -> int:
-    from ferry.ops.move import stream_info
+    """Messages of `stream` matching `pattern` (an ephemeral filtered consumer's pending count)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
 
-    info = await stream_info(nc, stream, subjects_filter=pattern)
-    return sum((info["state"].get("subjects") or {}).values())
+    jsm = nc.jsm()
+    cfg = ConsumerConfig(filter_subject=pattern, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0)
+    info = await jsm.add_consumer(stream, cfg)
+    with contextlib.suppress(Exception):
+        await jsm.delete_consumer(stream, info.name)
+    return info.num_pending
 
 
 def _patterns_of(config: dict[str, Any]) -> list[str]:
@@ -426,14 +453,13 @@ async def plan(nc: Client, pmap: PartitionMap, record: dict[str, Any]) -> dict[s
                     | ({"replicas": part.replicas} if int(cfg.get("num_replicas", 1)) != part.replicas else {})
                 )
         for p in part.patterns:
-            for owner, q in current.overlapping(p):
+            for owner in sorted({o for o, _ in current.overlapping(p)}):
                 if owner != part.stream:
                     moves.append(
                         {
                             "from": owner,
                             "to": part.stream,
                             "pattern": p,
-                            "was": q,
                             "messages": await stored_count(nc, owner, p),
                         }
                     )
@@ -484,7 +510,8 @@ async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: f
     streams = await list_streams(nc)
     index = pmap.index()
     for r in p["retire"]:
-        await _put_stream(nc, dict(streams[r["stream"]]["config"], subjects=r["keeps"]), True)
+        if r["stream"] in streams:
+            await _put_stream(nc, dict(streams[r["stream"]]["config"], subjects=r["keeps"]), True)
     for part in pmap.partitions:
         s = streams.get(part.stream)
         if not s:
@@ -499,7 +526,10 @@ async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: f
     for part in pmap.partitions:
         s = streams.get(part.stream)
         cfg = _stream_config(part, s["config"] if s else None, part.patterns, stage=part.stream in staged)
-        await _put_stream(nc, cfg, s is not None)
+        if s is None or any(
+            cfg.get(k) != s["config"].get(k) for k in ("subjects", "num_replicas", "subject_transform")
+        ):
+            await _put_stream(nc, cfg, s is not None)
 
 
 async def _verify(nc: Client, pmap: PartitionMap) -> list[str]:
@@ -524,6 +554,7 @@ async def apply(
     *,
     execute: bool = False,
     dry_run: bool = False,
+    force: bool = False,
     emit: Emit = _quiet,
     state_dir: Path | None = None,
 ) -> dict[str, Any]:
@@ -535,18 +566,19 @@ async def apply(
         record, _ = await _read(kv) if kv else ({"maps": {}}, 0)
         seen = record["maps"].get(pmap.name)
         p = await plan(nc, pmap, record)
-        emit("plan", **p)
+        if dry_run:
+            return {**p, "outcome": "dry-run"}
         if p["refusals"]:
             more = f" (and {len(p['refusals']) - 1} more)" if len(p["refusals"]) > 1 else ""
             raise Conflict(p["refusals"][0] + more)
-        if p["pending"] and _content(seen)[1] != pmap.model_dump():
+        if p["pending"] and not force:
             by = (seen or {}).get("by") or {}
             raise PreflightFailed(
-                f"a repartition of map {pmap.name!r} to another map is pending (started by {by.get('host')} "
-                f"pid {by.get('pid')} at {by.get('at')}); finish it by applying that map with --execute"
+                f"a repartition of map {pmap.name!r} started by {by.get('host')} pid {by.get('pid')} at "
+                f"{by.get('at')} did not finish; the old owners still hold every message it moved (nothing is "
+                "purged before it is counted in the new owner): check the streams, then apply with --force"
             )
-        if dry_run:
-            return {**p, "outcome": "dry-run"}
+        emit("plan", **p)
         if p["moves"] and not execute:
             raise UsageError(
                 f"map {pmap.name!r} changes the owner of {len(p['moves'])} pattern(s) holding "
@@ -579,22 +611,22 @@ def _moves_text(p: dict[str, Any]) -> str:
 # -- repartition -------------------------------------------------------------------------------------
 
 
-async def _forward(cluster_json: str, via: str, move: dict[str, Any], lo: int, hi: int) -> int:
+async def _forward(cluster_json: str, via: str, move: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
     """Copy `move['from']`'s messages matching its pattern with lo <= seq <= hi into the new owner's staging subject."""
     from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, read_range, write_batches
 
     if hi < lo:
-        return 0
+        return 0, 0
     read = ReadConfig(cluster=cluster_json, name=via, streams=(move["from"],), subject=move["pattern"])
     write = WriteConfig(
         cluster=cluster_json, name=via, stream=move["to"], subject_prefix=stage_subject(move["to"]) + "."
     )
     counts = await write_batches(write, read_range(read, Range(move["from"], lo, hi, fetch=2000)))
-    return counts.rows
+    return counts.rows, counts.duplicates
 
 
-def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> int:
-    """The history of one moving pattern, copied by the data plane (a Spark job); rows read."""
+def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> tuple[int, int]:
+    """The history of one moving pattern, copied by the data plane (a Spark job): rows, duplicates."""
     from urllib.parse import quote
 
     from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
@@ -604,7 +636,7 @@ def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> int:
     opts = CopyOptions(mode="parallel", partitions=1, subject_prefix=stage_subject(move["to"]) + ".")
     copy_plan = plan_copy(topo, src, f"jetstream://{via}/{move['to']}", opts)
     report = run_copy(topo, copy_plan, get_session(app_name="ferry partition"))
-    return report.read
+    return report.read, report.duplicates
 
 
 async def _repartition(
@@ -637,10 +669,13 @@ async def _repartition(
     # 2. history through the data plane
     done: dict[int, int] = {}
     copied: dict[int, int] = defaultdict(int)
+    dups: dict[int, int] = defaultdict(int)  # copies the new owner dropped as already held (same msg id)
     for i, m in enumerate(moves):
         hi = (await mv.stream_info(nc, m["from"]))["state"]["last_seq"]
-        if m["messages"]:
-            copied[i] += await asyncio.to_thread(_spark_copy, topo, via, m, hi)
+        if await stored_count(nc, m["from"], m["pattern"]):
+            rows, dup = await asyncio.to_thread(_spark_copy, topo, via, m, hi)
+            copied[i] += rows
+            dups[i] += dup
         done[i] = hi
         emit("copied", **{k: m[k] for k in ("from", "to", "pattern")}, messages=copied[i], up_to=hi)
 
@@ -648,8 +683,9 @@ async def _repartition(
         n = 0
         for i, m in enumerate(moves):
             hi = (await mv.stream_info(nc, m["from"]))["state"]["last_seq"]
-            got = await _forward(cjson, via, m, done[i] + 1, hi)
+            got, dup = await _forward(cjson, via, m, done[i] + 1, hi)
             copied[i] += got
+            dups[i] += dup
             done[i] = hi
             n += got
         return n
@@ -691,9 +727,10 @@ async def _repartition(
     purged = 0
     for i, m in enumerate(moves):
         left = await stored_count(nc, m["from"], m["pattern"])
-        if left != copied[i]:
+        if left != copied[i] or dups[i]:
             raise OperationFailed(
-                f"{m['from']} holds {left:,} messages of {m['pattern']} but {copied[i]:,} were copied to {m['to']}; "
+                f"{m['from']} holds {left:,} messages of {m['pattern']}; {copied[i]:,} were copied to {m['to']}, "
+                f"{dups[i]:,} of them dropped there as duplicates (same Nats-Msg-Id); "
                 f"nothing was purged (the copies carry Ferry-Source headers); the claim of map {pmap.name!r} "
                 "stays pending"
             )

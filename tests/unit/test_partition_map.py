@@ -1,0 +1,65 @@
+"""Partition maps without a broker: check, route and the claims conflict rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ferry.errors import ConfigError
+from ferry.ops import partition as pt
+
+
+def pmap(name: str, *parts: tuple[str, str, list[str]]) -> pt.PartitionMap:
+    return pt.PartitionMap(
+        name=name, partitions=[pt.Partition(name=n, stream=s, patterns=list(p)) for n, s, p in parts]
+    )
+
+
+def test_check_reports_every_problem_with_a_witness() -> None:
+    m = pmap(
+        "m",
+        ("a", "A", ["orders.*", "foo*"]),
+        ("b", "B", ["*.eu", "audit.>"]),
+        ("c", "A", ["ferry.stage.x"]),
+        ("a", "C", ["x.>.y"]),
+    )
+    report = pt.check(m)
+    assert not report["ok"]
+    assert [o["witness"] for o in report["overlaps"]] == ["orders.eu", "audit.eu"]  # the second within b
+    problems = " | ".join(report["problems"])
+    for expected in (
+        "name 'a' is used by more than one partition",
+        "stream 'A' is used by more than one partition",
+        "'foo*': token 1 'foo*' mixes a wildcard",
+        "ferry reserves for staging",
+        "'>' must be the last token",
+    ):
+        assert expected in problems
+
+
+def test_route_by_map_and_unowned() -> None:
+    m = pmap("m", ("eu", "EU", ["shop.eu.>"]), ("ap", "AP", ["shop.ap.*"]))
+    rows = pt.route([m], ["shop.eu.1.x", "shop.ap.1", "shop.ap.1.x", "shop.*"])
+    assert [r.get("owner") for r in rows] == ["eu", "ap", None, None]
+    assert rows[2]["error"] == "no partition owns 'shop.ap.1.x'"
+    assert "literal subject is required" in rows[3]["error"]
+
+
+def test_foreign_conflicts_cover_patterns_and_stream_names() -> None:
+    record = {"maps": {"other": {"map": pmap("other", ("o", "S", ["b.>"])).model_dump(), "by": {"pid": 7}}}}
+    assert pt.foreign_conflicts(record, pmap("mine", ("x", "T", ["a.>"]))) == []
+    (taken,) = pt.foreign_conflicts(record, pmap("mine", ("x", "S", ["a.>"])))
+    assert "stream 'S' of partition 'x' belongs to partition 'o'" in taken
+    (overlap,) = pt.foreign_conflicts(record, pmap("mine", ("x", "T", ["*.y"])))
+    assert "both would own 'b.y'" in overlap and "pid 7" in overlap
+
+
+def test_load_map_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: m\npartitions:\n  - {name: a, stream: A, replicas: 9, patterns: [a]}\n")
+    with pytest.raises(ConfigError, match=r"partitions.0.replicas: Input should be less than or equal to 5"):
+        pt.load_map(bad)
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        pt.load_map(bad)
