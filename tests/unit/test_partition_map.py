@@ -63,3 +63,24 @@ def test_load_map_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff\xfe")
     with pytest.raises(ConfigError, match="not UTF-8"):
         pt.load_map(bad)
+
+
+def test_traffic_subjects_nobody_owns(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ferry.pipeline.schema import ARROW_SCHEMA
+
+    subjects = ["shop.eu.1"] * 3 + ["shop.xx.1"] * 2 + ["other"]
+    rows = {n: [None] * len(subjects) for n in ARROW_SCHEMA.names}
+    rows["subject"] = subjects
+    rows["payload"] = [b"x"] * len(subjects)
+    (tmp_path / "snap").mkdir()
+    pq.write_table(pa.Table.from_pydict(rows, schema=ARROW_SCHEMA), tmp_path / "snap" / "part-0.parquet")
+    m = pmap("m", ("eu", "EU", ["shop.eu.>"]))
+    assert pt.unowned_traffic(m, tmp_path / "snap") == [
+        {"subject": "other", "messages": 1},
+        {"subject": "shop.xx.1", "messages": 2},
+    ]
+    with pytest.raises(ConfigError, match="no such directory"):
+        pt.unowned_traffic(m, tmp_path / "missing")
