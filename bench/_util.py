@@ -118,3 +118,12 @@ def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
 
 def mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
+
+
+def save_rows(name: str, rows: list[dict[str, Any]]) -> Path:
+    """Keep a run's rows as bench/out/<name>-<time>.json."""
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    path = out / f"{name}-{int(time.time())}.json"
+    path.write_text(json.dumps(rows, indent=2))
+    return path

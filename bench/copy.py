@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench._util import PeakRss, mb, run_ferry, tree
+from bench._util import PeakRss, mb, run_ferry, save_rows, tree
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, q
@@ -312,9 +311,7 @@ def main() -> None:
             f"{r['seconds']:>7.1f} {r['wall']:>7.1f} {r['client_cpu']:>9.1f}s {r['broker_cpu']:>9.1f}s "
             f"{mb(r['client_rss']):>10} {mb(r['broker_rss']):>10}"
         )
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / f"copy-{int(time.time())}.json").write_text(json.dumps(rows, indent=2))
+    save_rows("copy", rows)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from bench._util import save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.ops import move as mv
@@ -201,9 +202,7 @@ def main() -> None:
                 f"{sum(r['failed'] for r in mine):>6} {max(r['unavailable_s'] for r in mine) * 1000:>9.1f} "
                 f"{took:>7.2f} {took / nat:>9.2f}x"
             )
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / f"move-{int(time.time())}.json").write_text(json.dumps(rows, indent=2))
+    save_rows("move", rows)
 
 
 if __name__ == "__main__":

@@ -359,7 +359,7 @@ def move_cmd(
     from ferry.ops import move as mv
 
     topo = _topology(topology)
-    cluster = topo.nats(via) if via else _first_nats(topo)
+    cluster = topo.nats(_via(topo, via))
     if status:
         if not stream:
             raise UsageError("--status needs the STREAM")
@@ -407,12 +407,16 @@ def move_cmd(
         raise OperationFailed("; ".join(f"{r['stream']}: {r.get('error') or r.get('outcome')}" for r in failed))
 
 
-def _first_nats(topo: Any) -> Any:
+def _via(topo: Any, via: str | None) -> str:
+    """The NATS cluster to connect through: `via`, else the topology's first."""
     from ferry.errors import ConfigError
 
-    for _, _name, c in topo.clusters():
+    if via:
+        topo.nats(via)  # unknown -> one-line error
+        return via
+    for _, name, c in topo.clusters():
         if c.kind == "nats":
-            return c
+            return name
     raise ConfigError("the topology has no NATS cluster")
 
 
@@ -475,7 +479,7 @@ def repair_consumers_cmd(
     from ferry.ops import move as mv
 
     topo = _topology(topology)
-    cluster = topo.nats(via) if via else _first_nats(topo)
+    cluster = topo.nats(_via(topo, via))
     fixes = run(mv.repair_consumers(cluster, stream, dry_run=dry_run))
     if as_json:
         print_json(fixes)
@@ -503,19 +507,6 @@ MapArg = Annotated[Path, typer.Argument(help="Partition map (YAML).")]
 ViaOpt = Annotated[
     str | None, typer.Option("--via", help="Topology cluster to connect through (default: the first NATS one).")
 ]
-
-
-def _via(topo: Any, via: str | None) -> str:
-    """The NATS cluster to connect through: `via`, else the topology's first."""
-    from ferry.errors import ConfigError
-
-    names = [name for _, name, c in topo.clusters() if c.kind == "nats"]
-    if via:
-        topo.nats(via)  # unknown -> one-line error
-        return via
-    if not names:
-        raise ConfigError("the topology has no NATS cluster")
-    return names[0]
 
 
 @partition_app.command("check")
@@ -600,17 +591,7 @@ async def _nats_session(topo: Any, via: str | None) -> Any:
 @partition_app.command("plan")
 def partition_plan(file: MapArg, via: ViaOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
     """What applying MAP would change: streams created or updated, subjects changing owner and messages moving."""
-    from ferry.ops import partition as pt
-
-    pmap = pt.load_map(file)
-    topo = _topology(topology)
-    result = run(pt.apply(topo, _via(topo, via), pmap, dry_run=True))
-    if as_json:
-        print_json(result)
-    else:
-        _print_partition_plan(result)
-    if result["refusals"]:
-        raise typer.Exit(1)
+    partition_apply(file, dry_run=True, via=via, topology=topology, as_json=as_json)
 
 
 @partition_app.command("apply")

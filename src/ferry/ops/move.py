@@ -90,7 +90,7 @@ CAPTURE_SCHEMA = pa.schema(
 Emit = Callable[..., None]
 
 
-def _no_emit(event: str, **data: Any) -> None:
+def no_emit(event: str, **data: Any) -> None:
     pass
 
 
@@ -661,7 +661,7 @@ async def _cancel_request(sysnc: Client, account: str, stream: str) -> dict:
 async def move(
     cluster: NatsCluster,
     req: MoveRequest,
-    emit: Emit = _no_emit,
+    emit: Emit = no_emit,
     stop: asyncio.Event | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one move; returns its result. Raises PreflightFailed having changed nothing."""
@@ -889,7 +889,7 @@ async def move_many(
     pattern: str,
     req: MoveRequest,
     concurrency: int = 1,
-    emit: Emit = _no_emit,
+    emit: Emit = no_emit,
     stop: asyncio.Event | None = None,
 ) -> list[dict[str, Any]]:
     """Every stream whose name matches `pattern`, `concurrency` at a time (one move per stream)."""

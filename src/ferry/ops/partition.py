@@ -50,7 +50,6 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, ConfigError, Conflict, OperationFailed, PreflightFailed, UsageError
+from ferry.ops import move as mv
+from ferry.ops.move import Emit, no_emit
 from ferry.subjects import SubjectError, SubjectIndex, overlap_witness, problem
 from ferry.topology import Topology
 
@@ -68,11 +69,6 @@ __all__ = ["PartitionMap", "apply", "check", "load_map", "plan", "read_claims", 
 RESERVED = ("ferry.stage.>", "ferry.retired.>")
 BUCKET = "ferry_partitions"
 KEY = "claims"
-Emit = Callable[..., None]
-
-
-def _quiet(event: str, **data: Any) -> None:
-    pass
 
 
 # -- the map ---------------------------------------------------------------------------------------
@@ -367,18 +363,14 @@ def stage_subject(stream: str) -> str:
     return f"ferry.stage.{stream}"
 
 
-async def _api(nc: Client, subject: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
-    from ferry.ops.move import api
-
-    return await api(nc, subject, payload, timeout=timeout)
+async def _last_seq(nc: Client, stream: str) -> int:
+    return (await mv.stream_info(nc, stream))["state"]["last_seq"]
 
 
 async def list_streams(nc: Client) -> dict[str, dict[str, Any]]:
     """name -> {config, cluster, messages} of every stream in the account."""
-    from ferry.ops.move import paged
-
     out = {}
-    async for info in paged(nc, "$JS.API.STREAM.LIST", "streams"):
+    async for info in mv.paged(nc, "$JS.API.STREAM.LIST", "streams"):
         out[info["config"]["name"]] = {
             "config": info["config"],
             "cluster": (info.get("cluster") or {}).get("name"),
@@ -500,7 +492,7 @@ def _stream_config(part: Partition, existing: dict[str, Any] | None, subjects: l
 
 async def _put_stream(nc: Client, cfg: dict[str, Any], exists: bool) -> None:
     verb = "UPDATE" if exists else "CREATE"
-    await _api(nc, f"$JS.API.STREAM.{verb}.{cfg['name']}", cfg)
+    await mv.api(nc, f"$JS.API.STREAM.{verb}.{cfg['name']}", cfg, timeout=10)
 
 
 async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: frozenset[str] = frozenset()) -> None:
@@ -555,7 +547,7 @@ async def apply(
     execute: bool = False,
     dry_run: bool = False,
     force: bool = False,
-    emit: Emit = _quiet,
+    emit: Emit = no_emit,
     state_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Claim `pmap` and make the streams match it; a repartition needs `execute`."""
@@ -650,8 +642,6 @@ async def _repartition(
     emit: Emit,
     state_dir: Path | None,
 ) -> dict[str, Any]:
-    from ferry.ops import move as mv
-
     cluster = topo.nats(via)
     cjson = cluster.model_dump_json()
     op_id = uuid.uuid4().hex[:12]
@@ -671,7 +661,7 @@ async def _repartition(
     copied: dict[int, int] = defaultdict(int)
     dups: dict[int, int] = defaultdict(int)  # copies the new owner dropped as already held (same msg id)
     for i, m in enumerate(moves):
-        hi = (await mv.stream_info(nc, m["from"]))["state"]["last_seq"]
+        hi = await _last_seq(nc, m["from"])
         if await stored_count(nc, m["from"], m["pattern"]):
             rows, dup = await asyncio.to_thread(_spark_copy, topo, via, m, hi)
             copied[i] += rows
@@ -682,7 +672,7 @@ async def _repartition(
     async def catch_up() -> int:
         n = 0
         for i, m in enumerate(moves):
-            hi = (await mv.stream_info(nc, m["from"]))["state"]["last_seq"]
+            hi = await _last_seq(nc, m["from"])
             got, dup = await _forward(cjson, via, m, done[i] + 1, hi)
             copied[i] += got
             dups[i] += dup
@@ -691,7 +681,7 @@ async def _repartition(
         return n
 
     # 3. catch up in process until little is left; the guard's comparison starts before it
-    seq0 = {t: (await mv.stream_info(nc, t))["state"]["last_seq"] for t in targets}
+    seq0 = {t: await _last_seq(nc, t) for t in targets}
     for _ in range(5):
         t = time.monotonic()
         n = await catch_up()
@@ -719,7 +709,7 @@ async def _repartition(
     # 5. what the guard heard and the new owner lacks is re-published there
     guard_results = {}
     for t in targets:
-        heard = await mv.reconcile(cluster, nc, t, {"seq0": seq0[t], "move_id": op_id}, root / t, _quiet)
+        heard = await mv.reconcile(cluster, nc, t, {"seq0": seq0[t], "move_id": op_id}, root / t, no_emit)
         # the guard's window compares with the new owner only; the subjects had no owner for switch_s
         guard_results[t] = {k: v for k, v in heard.items() if k != "unavailable_s"}
         emit("guard", stream=t, **guard_results[t])
@@ -735,7 +725,9 @@ async def _repartition(
                 "stays pending"
             )
         if left:
-            r = await _api(nc, f"$JS.API.STREAM.PURGE.{m['from']}", {"filter": m["pattern"], "seq": done[i] + 1})
+            r = await mv.api(
+                nc, f"$JS.API.STREAM.PURGE.{m['from']}", {"filter": m["pattern"], "seq": done[i] + 1}, timeout=10
+            )
             purged += int(r.get("purged", 0))
     emit("purged", messages=purged)
     # 7. staging off, claims final
