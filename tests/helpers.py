@@ -26,10 +26,12 @@ from ferry.topology import Topology
 FERRY = [sys.executable, "-m", "ferry.cli"]
 
 
-def ferry(*args: str, topology: Path, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess[str]:
+def ferry(
+    *args: str, topology: Path, timeout: float = 300, check: bool = False, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess (its own Spark driver)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    result = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check and result.returncode != 0:
         raise AssertionError(f"ferry {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
     return result

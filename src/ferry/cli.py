@@ -494,6 +494,120 @@ def repair_consumers_cmd(
         )
 
 
+# -- failback -------------------------------------------------------------------------------
+
+
+@app.command("failback")
+def failback_cmd(
+    source: Annotated[str, typer.Option("--from", help="The DR RabbitMQ cluster holding orphaned messages.")],
+    target: Annotated[str, typer.Option("--to", help="The main RabbitMQ cluster to bring them to.")],
+    vhost: Annotated[str | None, typer.Option(help="Only this vhost (default: every vhost).")] = None,
+    engine: Annotated[str, typer.Option(help="shovel (dynamic shovels) or spark (the data-plane mover).")] = "shovel",
+    max_active: Annotated[int, typer.Option(min=1, help="Shovels running at once.")] = 50,
+    target_queue: Annotated[
+        str | None, typer.Option(help="Send every queue's messages to this queue (testing on one cluster).")
+    ] = None,
+    abort: Annotated[
+        bool, typer.Option("--abort", help="Restore the upstreams and clean up a failback without finishing it.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan or the journal; change nothing.")] = False,
+    spark_master: SparkMaster = None,
+    spark_remote: SparkRemote = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move the messages left on the DR cluster's federated queues to the main cluster, pulling none from upstream."""
+    from ferry.ops.failback import FailbackRequest, failback
+    from ferry.pipeline.spark import get_session
+
+    topo = _topology(topology)
+    req = FailbackRequest(
+        source=source,
+        target=target,
+        vhost=vhost,
+        target_queue=target_queue,
+        engine=engine,
+        max_active=max_active,
+        dry_run=dry_run,
+        abort=abort,
+    )
+
+    def spark() -> Any:
+        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
+
+    with contextlib.ExitStack() as stack:
+        bar: list[Callable[[int], None]] = []
+
+        def emit(event: str, **data: Any) -> None:
+            if as_json:
+                _json_events(event, **data)
+            elif event == "plan":
+                _print_failback_plan(data)
+            elif event == "progress":
+                if not bar:
+                    bar.append(stack.enter_context(_progress(data["total"], f"failback ({engine})")))
+                bar[0](data["moved"])
+            elif event in ("resume", "upstream-disabled", "upstream-restored"):
+                err.print(f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items()), highlight=False)
+
+        report = run(failback(topo, req, emit, spark))
+    if as_json:
+        print_json(report)
+        return
+    if "resuming" in report:
+        j = report["resuming"]
+        out.print(f"failback {j['id']} {j['source']} -> {j['target']}: phase {j['phase']} since {j['updated']}")
+        for name, left in report["left"].items():
+            out.print(f"  {name}: {left:,} left")
+        return
+    if report["outcome"] in ("nothing to do", "nothing to abort"):
+        out.print(f"{report['outcome']}: no federated queue on {source} holds ready messages")
+        return
+    if report["outcome"] == "dry-run":
+        return
+    table = Table("vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after")
+    for r in report["queues"]:
+        table.add_row(
+            r["vhost"],
+            r["queue"] + ("" if r["target"] == r["queue"] else f" -> {r['target']}"),
+            r["type"],
+            f"{r['before']:,}",
+            f"{r['moved']:,}",
+            f"{r['left']:,}",
+            f"{r['target_before']:,}",
+            f"{r['target_after']:,}",
+        )
+    out.print(table)
+    t = report["total"]
+    out.print(
+        f"{report['outcome']}: moved {t['moved']:,} of {t['before']:,}, left {t['left']:,}; "
+        f"upstreams restored identical: {sum(u['identical'] for u in report['upstreams_restored'])}"
+        f"/{len(report['upstreams_restored'])}; pulled from upstream: {report['upstream_pulled']:,}; "
+        f"shovels removed: {report['shovels_deleted']}"
+    )
+    if report["possible_duplicates"]:
+        out.print(
+            f"[yellow]{report['possible_duplicates']:,} messages were redelivered after an interrupted run and may "
+            "be duplicates (they carry x-ferry-transfer; `ferry audit` counts them)[/]"
+        )
+
+
+def _print_failback_plan(plan: dict[str, Any]) -> None:
+    out.print(
+        f"[bold]failback {plan['source']} -> {plan['target']}[/]: {plan['messages']:,} messages "
+        f"in {len(plan['queues'])} federated queue(s), engine {plan['engine']}"
+    )
+    if plan["queues"]:
+        table = Table("vhost", "queue", "type", "ready", "target queue")
+        for x in plan["queues"]:
+            table.add_row(x["vhost"], x["queue"], x["type"], f"{x['before']:,}", x["target"])
+        out.print(table)
+    for u in plan["upstreams"]:
+        out.print(f"  upstream to disable: {u['name']!r} in vhost {u['vhost']!r}")
+    for w in plan["warnings"]:
+        out.print(f"  [yellow]warning:[/] {w}")
+
+
 # -- proof: load, snapshot, audit -----------------------------------------------------------
 
 
@@ -746,7 +860,9 @@ def load_cmd(
 
 @app.command("snapshot")
 def snapshot_cmd(
-    source: Annotated[str, typer.Argument(help="jetstream://CLUSTER/STREAM or rabbitmq://CLUSTER/VHOST/QUEUE (or *)")],
+    source: Annotated[
+        str, typer.Argument(help="jetstream://CLUSTER/STREAM or rabbitmq://CLUSTER/VHOST/QUEUE (vhost *, queue a glob)")
+    ],
     out_dir: Annotated[Path, typer.Option("--out", help="New (or empty) directory for the Parquet snapshot.")],
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,

@@ -14,18 +14,26 @@ Options: ``timeout`` for every HTTP call and the AMQP connect.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import aio_pika
 import aiormq
 import httpx
+from pamqp import constants as _pamqp_constants
 
 from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
 from ferry.topology import RabbitBroker, RabbitCluster
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "probe", "q"]
+
+
+# pamqp (under aio-pika and ferry's raw frames) refuses queue and exchange names outside
+# [a-zA-Z0-9-_.:@#,/+ ]; RabbitMQ takes any UTF-8 name of up to 255 bytes (`%`, `ü`, ...).
+for _kind in ("queue-name", "exchange-name"):
+    _pamqp_constants.DOMAIN_REGEX[_kind] = re.compile(r"^[^\x00]*$")
 
 
 class Rabbit(BrokerKind):

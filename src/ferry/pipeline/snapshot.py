@@ -2,9 +2,9 @@
 
 - a stream (``jetstream://CLUSTER/STREAM``) is read through the jetstream data
   source; nothing changes on the stream;
-- queues (``rabbitmq://CLUSTER/VHOST/QUEUE``, ``*`` allowed) are read by one task
-  per queue that consumes every ready message without acking and then closes
-  its channels, so the broker requeues them all. The queue holds what it held,
+- queues (``rabbitmq://CLUSTER/VHOST/QUEUE``; vhost ``*`` for all, the queue a
+  glob) are read by one task per queue that consumes every ready message
+  without acking and then closes its channels, so the broker requeues them all. The queue holds what it held,
   but those messages now have the redelivered flag set, and a quorum queue
   counts the read as a delivery (``x-delivery-count``): a queue with a delivery
   limit is refused, since a snapshot could dead-letter its messages.
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ async def _queues(cluster: RabbitCluster, name: str, vhost: str, queue: str) -> 
             if listed is None:
                 raise ConfigError(f"vhost {v!r} does not exist on {name}")
             for item in listed:
-                if queue not in ("*", item["name"]):
+                if not fnmatch.fnmatchcase(item["name"], queue):
                     continue
                 limit = (item.get("arguments") or {}).get("x-delivery-limit") or (
                     item.get("effective_policy_definition") or {}
@@ -86,6 +87,6 @@ async def _queues(cluster: RabbitCluster, name: str, vhost: str, queue: str) -> 
                         "as a delivery and could dead-letter its messages; refusing"
                     )
                 found.append((v, item["name"]))
-        if queue != "*" and not found:
+        if not found and "*" not in queue:
             raise ConfigError(f"queue {queue!r} not found in vhost {vhost!r} of {name}")
     return found

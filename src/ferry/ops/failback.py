@@ -1,0 +1,702 @@
+"""`ferry failback --from DR --to MAIN`: bring the messages left on a DR RabbitMQ
+cluster back to the main one without pulling new ones from the upstream.
+
+A federated queue pulls from its upstream while it has a consumer, so its
+messages cannot simply be consumed: the consumer would pull more. The protocol
+is the bash gist's (../shared/seeds/003), made safe and exact:
+
+1. **plan** — the queues with a federation policy and ready messages (live
+   counts), the upstreams their policies use, each queue's target queue;
+2. **journal** — one global parameter on the source broker, ``ferry-failback``,
+   holds the plan, every upstream's full definition, the counts before and the
+   phase. It is written *before* any upstream is deleted, so a definition is
+   never lost, and any machine can resume from it;
+3. **disable** — delete those upstreams, then wait until the management API
+   lists no federation link for them;
+4. **transfer** — ``shovel`` (one dynamic shovel per queue: ``ack-mode
+   on-confirm``, ``src-delete-after queue-length``, ``dest-queue``; at most
+   ``max_active`` at once) or ``spark`` (the data plane's queue mover, which
+   marks each message with ``x-ferry-transfer``). A queue is done the moment it
+   is drained: counts are polled every 0.2 s by passive declares;
+5. **restore** — put each upstream back exactly as saved and compare, delete
+   every shovel ferry created, then the journal.
+
+One failback runs per source broker at a time: ferry holds an exclusive queue,
+``ferry-failback-lock``, while it works, and the broker drops it if ferry dies.
+Killing ferry at any step and running the same command again (anywhere)
+finishes the job; with nothing to do it says so and changes nothing.
+
+Accounting: per queue, ready before (from the journal), moved (before - left:
+exact, since nothing else feeds a queue whose upstream is gone), left; the
+target's count before and after (exact while nothing consumes there); the
+upstream queues' counts before and after, which show that nothing was pulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aio_pika
+import aiormq
+
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError
+from ferry.pipeline._amqp import Connection
+from ferry.topology import RabbitCluster, Topology
+
+__all__ = ["JOURNAL", "FailbackRequest", "failback"]
+
+JOURNAL = "ferry-failback"  # global parameter on the source broker
+LOCK = "ferry-failback-lock"  # exclusive queue held while ferry works
+SHOVEL_PREFIX = "ferry-failback-"
+FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")
+POLL = 0.2
+
+Emit = Callable[..., None]
+
+
+def no_emit(event: str, **data: Any) -> None:
+    pass
+
+
+@dataclass
+class FailbackRequest:
+    source: str  # the DR cluster holding the orphaned messages
+    target: str  # the main cluster
+    vhost: str | None = None  # only this vhost (default: every vhost)
+    target_queue: str | None = None  # one target queue for all (testing on one cluster)
+    engine: str = "shovel"  # shovel | spark
+    max_active: int = 50  # shovels at once
+    dry_run: bool = False
+    abort: bool = False  # restore the upstreams and clean up without finishing
+    link_timeout: float = 30.0  # seconds for federation links to stop
+    stall_timeout: float = 60.0  # seconds a shovel may fail before the failback stops
+
+
+def redact(text: str) -> str:
+    """`amqp://user:secret@host` -> `amqp://user:***@host`."""
+    return re.sub(r"(amqps?://[^:/@\s]*):[^@\s]*@", r"\1:***@", text)
+
+
+def public(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan or journal fit to print: upstream URIs without their passwords."""
+    upstreams = [
+        {**u, "value": {**u["value"], "uri": [redact(x) for x in _uris(u["value"])]}} for u in plan["upstreams"]
+    ]
+    return {**plan, "upstreams": upstreams}
+
+
+# -- reading the source ---------------------------------------------------------------------------
+
+
+def _federation(definition: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (definition or {}).items() if k in FEDERATION_KEYS}
+
+
+def effective_policy(policies: list[dict[str, Any]], vhost: str, name: str) -> dict[str, Any] | None:
+    """The policy RabbitMQ applies to queue `name`: the highest-priority one whose pattern matches.
+
+    Computed from the policies rather than read from the queue listing, which
+    shows a new policy only after the next statistics emission (seconds later).
+    """
+    matching = [
+        p
+        for p in policies
+        if p["vhost"] == vhost and p.get("apply-to", "all") in ("all", "queues") and re.search(p["pattern"], name)
+    ]
+    return max(matching, key=lambda p: p.get("priority", 0), default=None)
+
+
+async def _federated_queues(m: Management, vhosts: list[str]) -> list[dict[str, Any]]:
+    """Queues of `vhosts` whose effective policy carries a federation key."""
+    policies = await m.get("/policies")
+    found = []
+    for item in await m.get("/queues?columns=name,vhost,type,exclusive,consumers"):
+        if item["vhost"] not in vhosts or item.get("exclusive") or item["name"] == LOCK:
+            continue
+        policy = effective_policy(policies, item["vhost"], item["name"])
+        fed = _federation(policy["definition"] if policy else None)
+        if fed:
+            found.append(
+                {
+                    "vhost": item["vhost"],
+                    "queue": item["name"],
+                    "type": item.get("type", "classic"),
+                    "policy": policy["name"] if policy else None,
+                    "federation": fed,
+                    "consumers": int(item.get("consumers") or 0),
+                }
+            )
+    return sorted(found, key=lambda x: (x["vhost"], x["queue"]))
+
+
+async def _upstream_names(m: Management, vhost: str, fed: dict[str, Any]) -> list[str]:
+    if "federation-upstream" in fed:
+        return [fed["federation-upstream"]]
+    name = fed["federation-upstream-set"]
+    if name == "all":
+        return [u["name"] for u in await m.get(f"/parameters/federation-upstream/{q(vhost)}", ok404=True) or []]
+    members = await m.get(f"/parameters/federation-upstream-set/{q(vhost)}/{q(name)}", ok404=True)
+    return [x["upstream"] for x in (members or {}).get("value", [])]
+
+
+async def _upstreams(m: Management, queues: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The full definition of every upstream the queues' policies use; each queue gets its names."""
+    defs: dict[tuple[str, str], dict[str, Any]] = {}
+    for x in queues:
+        x["upstreams"] = await _upstream_names(m, x["vhost"], x["federation"])
+        for name in x["upstreams"]:
+            key = (x["vhost"], name)
+            if key not in defs:
+                got = await m.get(f"/parameters/federation-upstream/{q(x['vhost'])}/{q(name)}", ok404=True)
+                if got is not None:
+                    defs[key] = {"vhost": x["vhost"], "name": name, "value": got["value"]}
+    return [defs[k] for k in sorted(defs)]
+
+
+def _uris(value: dict[str, Any]) -> list[str]:
+    uri = value.get("uri")
+    return [uri] if isinstance(uri, str) else list(uri or [])
+
+
+async def _upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ready messages in each upstream queue the federated queues pull from (None when unreachable)."""
+    by_key = {(u["vhost"], u["name"]): u for u in upstreams}
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for x in queues:
+        for name in x.get("upstreams", []):
+            u = by_key.get((x["vhost"], name))
+            if u is None:
+                continue
+            queue = u["value"].get("queue") or x["queue"]
+            rows.setdefault((x["vhost"], name, queue), {"vhost": x["vhost"], "upstream": name, "queue": queue})
+    for (vhost, name, queue), row in rows.items():
+        row["messages"], row["error"] = None, None
+        for uri in _uris(by_key[(vhost, name)]["value"]):
+            try:
+                conn = await aio_pika.connect(uri, timeout=5)
+            except Exception as exc:
+                row["error"] = f"{redact(uri)}: {type(exc).__name__}"
+                continue
+            try:
+                ch = await conn.channel()
+                declared = await ch.declare_queue(queue, passive=True)
+                row["messages"], row["error"] = int(declared.declaration_result.message_count), None
+                break
+            except Exception as exc:
+                row["error"] = f"queue {queue!r}: {type(exc).__name__}"
+            finally:
+                await conn.close()
+    return list(rows.values())
+
+
+class Counts:
+    """Live ready counts (passive declares) on one cluster, one AMQP connection per vhost, kept open."""
+
+    def __init__(self, cluster: RabbitCluster, name: str) -> None:
+        self.cluster, self.name = cluster, name
+        self.conns: dict[str, Connection] = {}
+        self.channels: dict[str, Any] = {}
+
+    async def ready(self, vhost: str, queue: str) -> int:
+        from ferry.pipeline.rabbitmq import raw_connect
+
+        if vhost not in self.conns:
+            self.conns[vhost] = await raw_connect(self.cluster, vhost, name=self.name)
+        ch = self.channels.get(vhost)
+        if ch is None or ch.closed:
+            ch = self.channels[vhost] = await self.conns[vhost].channel()
+        try:
+            return await ch.declare_passive(queue)
+        except NotFound:
+            raise NotFound(f"{self.name}: queue {queue!r} not found in vhost {vhost!r}") from None
+
+    async def close(self) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+
+# -- the journal and the lock ----------------------------------------------------------------------
+
+
+async def read_journal(m: Management) -> dict[str, Any] | None:
+    got = await m.get(f"/global-parameters/{JOURNAL}", ok404=True)
+    if got is None:
+        return None
+    value = got["value"]
+    missing = [k for k in _JOURNAL_KEYS if not isinstance(value, dict) or k not in value]
+    if missing:
+        raise ConfigError(
+            f"{m.name}: global parameter {JOURNAL!r} is not a ferry journal (no {', '.join(missing)}); "
+            "inspect and delete it by hand"
+        )
+    return value
+
+
+_JOURNAL_KEYS = ("id", "source", "target", "phase", "started", "queues", "upstreams")
+
+
+async def _write_journal(m: Management, journal: dict[str, Any]) -> None:
+    journal["updated"] = datetime.now(UTC).isoformat(timespec="seconds")
+    await m.put(f"/global-parameters/{JOURNAL}", {"name": JOURNAL, "value": journal})
+
+
+@contextlib.asynccontextmanager
+async def _lock(cluster: RabbitCluster, name: str, vhost: str) -> AsyncIterator[None]:
+    """Hold the exclusive lock queue; Conflict if another ferry holds it."""
+    conn = await amqp_connect(cluster, vhost=vhost)
+    try:
+        ch = await conn.channel()
+        try:
+            await ch.declare_queue(LOCK, exclusive=True, auto_delete=True)
+        except aiormq.exceptions.ChannelLockedResource:
+            raise Conflict(f"{name}: another ferry failback is running against this broker") from None
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+
+# -- the operation ---------------------------------------------------------------------------------
+
+
+async def failback(
+    topo: Topology, req: FailbackRequest, emit: Emit = no_emit, spark: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """Plan, journal, disable, transfer, restore; resumes a journaled failback. Returns the report.
+
+    `spark` makes the Spark session for the spark engine (default: a local one).
+    """
+    if req.engine not in ("shovel", "spark"):
+        raise UsageError(f"--engine must be shovel or spark, got {req.engine!r}")
+    if req.max_active < 1:
+        raise UsageError("--max-active must be at least 1")
+    src_c, dst_c = topo.rabbitmq(req.source), topo.rabbitmq(req.target)
+    async with Management(src_c, name=req.source) as sm, Management(dst_c, name=req.target) as dm:
+        await _preflight(sm, dm, req)
+        vhosts = sorted(v["name"] for v in await sm.get("/vhosts"))
+        lock_vhost = "/" if "/" in vhosts else vhosts[0]
+        if req.dry_run:
+            journal = await read_journal(sm)
+            if journal:
+                return await _resume_view(journal, src_c, req)
+            plan = public(await _plan(sm, dm, src_c, dst_c, req, vhosts))
+            emit("plan", **plan)
+            return {"outcome": "dry-run" if plan["queues"] else "nothing to do", "plan": plan}
+        async with _lock(src_c, req.source, lock_vhost):
+            journal = await read_journal(sm)
+            if journal is None:
+                if req.abort:
+                    return {"outcome": "nothing to abort", "source": req.source}
+                plan = await _plan(sm, dm, src_c, dst_c, req, vhosts)
+                emit("plan", **public(plan))
+                if not plan["queues"]:
+                    return {"outcome": "nothing to do", "plan": public(plan)}
+                journal = {**plan, "phase": "disabling", "host": socket.gethostname()}
+                journal["upstream_queues"] = await _upstream_counts(journal["upstreams"], journal["queues"])
+                await _write_journal(sm, journal)  # before any upstream is deleted
+            else:
+                _check_resume(journal, req)
+                emit("resume", id=journal["id"], phase=journal["phase"], started=journal["started"])
+            if req.abort:
+                return await _finish(sm, src_c, dst_c, journal, req, emit, aborted=True)
+            if journal["phase"] == "disabling":
+                await _disable(sm, journal, emit)
+                journal["phase"] = "transferring"
+                await _write_journal(sm, journal)
+            if journal["phase"] == "transferring":
+                await _links_down(sm, journal, req.link_timeout)
+                engine_report = await _transfer(topo, sm, src_c, journal, req, emit, spark)
+                journal["phase"] = "restoring"
+                await _write_journal(sm, journal)
+            else:
+                engine_report = {}
+            return await _finish(sm, src_c, dst_c, journal, req, emit, engine=engine_report)
+
+
+async def _preflight(sm: Management, dm: Management, req: FailbackRequest) -> None:
+    """Both brokers answer with these credentials; the plugins the protocol needs are on."""
+    if req.source == req.target and not req.target_queue:
+        raise UsageError("--from and --to are the same cluster: give --target-queue to test on one cluster")
+    await sm.get("/overview")
+    await dm.get("/overview")
+    if await sm.get("/federation-links", ok404=True) is None:
+        raise ConfigError(f"{req.source}: the federation plugin is not enabled (rabbitmq_federation_management)")
+    if req.engine == "shovel" and await sm.get("/shovels", ok404=True) is None:
+        raise ConfigError(f"{req.source}: the shovel plugin is not enabled (rabbitmq_shovel_management)")
+
+
+async def _plan(
+    sm: Management,
+    dm: Management,
+    src_c: RabbitCluster,
+    dst_c: RabbitCluster,
+    req: FailbackRequest,
+    vhosts: list[str],
+) -> dict[str, Any]:
+    if req.vhost is not None:
+        if req.vhost not in vhosts:
+            raise NotFound(f"{req.source}: vhost {req.vhost!r} does not exist")
+        vhosts = [req.vhost]
+    queues = await _federated_queues(sm, vhosts)
+    src_counts, dst_counts = Counts(src_c, req.source), Counts(dst_c, req.target)
+    try:
+        for x in queues:
+            x["before"] = await src_counts.ready(x["vhost"], x["queue"])
+        queues = [x for x in queues if x["before"] > 0]
+        for x in queues:
+            x["target"] = req.target_queue or x["queue"]
+            if await dm.get(f"/vhosts/{q(x['vhost'])}", ok404=True) is None:
+                raise NotFound(f"{req.target}: vhost {x['vhost']!r} does not exist (nothing was changed)")
+            try:
+                x["target_before"] = await dst_counts.ready(x["vhost"], x["target"])
+            except NotFound:
+                raise NotFound(
+                    f"{req.target}: queue {x['target']!r} does not exist in vhost {x['vhost']!r} (nothing was changed)"
+                ) from None
+    finally:
+        await src_counts.close()
+        await dst_counts.close()
+    upstreams = await _upstreams(sm, queues)
+    warnings = [
+        f"queue {x['vhost']}/{x['queue']} has {x['consumers']} consumer(s) on {req.source}: "
+        "are applications still connected there?"
+        for x in queues
+        if x["consumers"]
+    ]
+    return {
+        "id": uuid.uuid4().hex[:12],
+        "source": req.source,
+        "target": req.target,
+        "engine": req.engine,
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "queues": [{k: v for k, v in x.items() if k != "consumers"} for x in queues],
+        "upstreams": upstreams,
+        "messages": sum(x["before"] for x in queues),
+        "warnings": warnings,
+    }
+
+
+def _check_resume(journal: dict[str, Any], req: FailbackRequest) -> None:
+    if journal.get("target") != req.target:
+        raise Conflict(
+            f"{req.source}: failback {journal['id']} to {journal.get('target')} is in progress; "
+            f"rerun it with --to {journal.get('target')}, or --abort it"
+        )
+
+
+async def _resume_view(journal: dict[str, Any], src_c: RabbitCluster, req: FailbackRequest) -> dict[str, Any]:
+    counts = Counts(src_c, req.source)
+    try:
+        left = {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in journal["queues"]}
+    finally:
+        await counts.close()
+    return {"outcome": "dry-run", "resuming": public(journal), "left": left}
+
+
+async def _disable(sm: Management, journal: dict[str, Any], emit: Emit) -> None:
+    for u in journal["upstreams"]:
+        await sm.delete(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}")
+        emit("upstream-disabled", vhost=u["vhost"], upstream=u["name"])
+
+
+async def _links_down(sm: Management, journal: dict[str, Any], timeout: float) -> None:
+    """Wait until no federation link of the saved upstreams runs (else a consumer would pull)."""
+    names = {(u["vhost"], u["name"]) for u in journal["upstreams"]}
+    deadline = time.monotonic() + timeout
+    while True:
+        for u in journal["upstreams"]:
+            if await sm.get(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}", ok404=True):
+                raise Conflict(
+                    f"upstream {u['name']!r} in vhost {u['vhost']!r} was re-created during the failback; "
+                    "nothing moved (rerun to disable it again, or --abort)"
+                )
+        links = [x for x in await sm.get("/federation-links") if (x["vhost"], x["upstream"]) in names]
+        if not links:
+            return
+        if time.monotonic() > deadline:
+            x = links[0]
+            raise OperationFailed(
+                f"federation link {x['upstream']!r} for {x['vhost']}/{x.get('queue') or x.get('exchange')} "
+                f"still {x.get('status')} after {timeout:.0f}s; nothing moved (rerun to continue)"
+            )
+        await asyncio.sleep(POLL)
+
+
+# -- transfer ---------------------------------------------------------------------------------------
+
+
+async def _transfer(
+    topo: Topology,
+    sm: Management,
+    src_c: RabbitCluster,
+    journal: dict[str, Any],
+    req: FailbackRequest,
+    emit: Emit,
+    spark: Callable[[], Any] | None,
+) -> dict[str, Any]:
+    counts = Counts(src_c, req.source)
+    try:
+        ready = await _left(counts, journal["queues"])
+        todo = [x for x in journal["queues"] if ready[f"{x['vhost']}/{x['queue']}"] > 0]
+        emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
+        if req.engine == "shovel":
+            result = await _shovels(topo, sm, counts, journal, todo, req, emit)
+        else:
+            await _delete_shovels(sm, journal)  # left by an interrupted shovel run
+            watch = asyncio.create_task(_watch(counts, journal, emit))
+            try:
+                result = await asyncio.to_thread(_spark_move, topo, journal, todo, ready, req, spark) if todo else {}
+            finally:
+                watch.cancel()
+        total = sum(x["before"] for x in journal["queues"])
+        emit("progress", moved=total - sum((await _left(counts, journal["queues"])).values()), total=total)
+        return result
+    finally:
+        await counts.close()
+
+
+async def _left(counts: Counts, queues: list[dict[str, Any]]) -> dict[str, int]:
+    return {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in queues}
+
+
+async def _watch(counts: Counts, journal: dict[str, Any], emit: Emit) -> None:
+    total = sum(x["before"] for x in journal["queues"])
+    while True:
+        await asyncio.sleep(0.5)
+        with contextlib.suppress(FerryError):
+            left = sum((await _left(counts, journal["queues"])).values())
+            emit("progress", moved=total - left, total=total)
+
+
+def _spark_move(
+    topo: Topology,
+    journal: dict[str, Any],
+    todo: list[dict[str, Any]],
+    ready: dict[str, int],
+    req: FailbackRequest,
+    spark: Callable[[], Any] | None,
+) -> dict[str, Any]:
+    """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
+    from ferry.pipeline.copy import CopyOptions, CopyPlan, run_copy
+    from ferry.pipeline.spark import get_session
+    from ferry.pipeline.uris import Endpoint
+
+    plan = CopyPlan(
+        Endpoint("rabbitmq", f"rabbitmq://{req.source}", cluster=req.source),
+        Endpoint("rabbitmq", f"rabbitmq://{req.target}", cluster=req.target),
+        CopyOptions(),
+        "mover",
+        queues=[
+            {
+                "vhost": x["vhost"],
+                "queue": x["queue"],
+                "ready": ready[f"{x['vhost']}/{x['queue']}"],
+                "target": x["target"],
+                "target_vhost": x["vhost"],
+            }
+            for x in todo
+        ],
+        transfer_id=journal["id"],
+    )
+    report = run_copy(topo, plan, spark() if spark else get_session(app_name="ferry failback"))
+    return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
+
+
+def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
+    return f"{SHOVEL_PREFIX}{journal['id']}-{journal['queues'].index(x)}"
+
+
+def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -> dict[str, Any]:
+    """A dynamic shovel that drains one queue into its target and then deletes itself."""
+    dst = topo.rabbitmq(req.target)
+    parts = urlsplit(dst.brokers[0].url)
+    creds = dst.credentials
+    user = quote(creds.user if creds else "guest", safe="")
+    password = quote((creds.password() if creds else None) or "guest", safe="")
+    return {
+        "src-protocol": "amqp091",
+        "src-uri": f"amqp:///{q(x['vhost'])}",  # the source node itself
+        "src-queue": x["queue"],
+        "src-delete-after": "queue-length",
+        "dest-protocol": "amqp091",
+        "dest-uri": f"{parts.scheme}://{user}:{password}@{parts.hostname}:{parts.port}/{q(x['vhost'])}",
+        "dest-queue": x["target"],
+        "ack-mode": "on-confirm",
+    }
+
+
+async def _shovels(
+    topo: Topology,
+    sm: Management,
+    counts: Counts,
+    journal: dict[str, Any],
+    todo: list[dict[str, Any]],
+    req: FailbackRequest,
+    emit: Emit,
+) -> dict[str, Any]:
+    """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty."""
+    total = sum(x["before"] for x in journal["queues"])
+    present = await _ferry_shovels(sm, journal)
+    active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
+    pending = [x for x in todo if _shovel_name(journal, x) not in active]
+    empty_since: dict[str, float] = {}
+    failing_since: dict[str, float] = {}
+    created = requeued = 0
+    last_emit = 0.0
+    while pending or active:
+        while pending and len(active) < req.max_active:
+            x = pending.pop(0)
+            name = _shovel_name(journal, x)
+            await sm.put(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)})
+            active[name] = x
+            created += 1
+            emit("shovel", queue=f"{x['vhost']}/{x['queue']}", name=name, active=len(active))
+        await asyncio.sleep(POLL)
+        present = await _ferry_shovels(sm, journal)
+        states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
+        now = time.monotonic()
+        for name, x in list(active.items()):
+            left = await counts.ready(x["vhost"], x["queue"])
+            if name not in present:  # it deleted itself: the length it saw at start has been moved
+                del active[name]
+                if left:
+                    # it stopped before its last source acks took effect (seen with quorum queues), or
+                    # was deleted by hand: these may already be at the target, so count them
+                    pending.append(x)
+                    requeued += left
+                else:
+                    emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
+                continue
+            state = states.get((x["vhost"], name), {})
+            if state.get("state") == "terminated":
+                since = failing_since.setdefault(name, now)
+                if now - since > req.stall_timeout:
+                    reason = redact(str(state.get("reason", "terminated")))
+                    raise OperationFailed(
+                        f"shovel for {x['vhost']}/{x['queue']} failing for {req.stall_timeout:.0f}s: {reason}; "
+                        "upstreams stay disabled (rerun to continue, or --abort)"
+                    )
+            else:
+                failing_since.pop(name, None)
+            # empty but still there: someone else consumed part of the queue, so the shovel waits
+            # for messages that will not come; deleting it requeues any it still holds
+            if left == 0 and now - empty_since.setdefault(name, now) > 5.0:
+                await sm.delete(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}")
+            elif left:
+                empty_since.pop(name, None)
+        if now - last_emit >= 0.5:
+            last_emit = now
+            left_total = sum((await _left(counts, journal["queues"])).values())
+            emit("progress", moved=total - left_total, total=total, active=len(active), pending=len(pending))
+    return {"shovels_created": created, "possible_duplicates": requeued}
+
+
+async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> set[str]:
+    vhosts = {x["vhost"] for x in journal["queues"]}
+    return {
+        p["name"]
+        for p in await sm.get("/parameters/shovel", ok404=True) or []
+        if p["vhost"] in vhosts and p["name"].startswith(SHOVEL_PREFIX)
+    }
+
+
+async def _delete_shovels(sm: Management, journal: dict[str, Any]) -> int:
+    vhosts = {x["vhost"] for x in journal["queues"]}
+    found = [
+        p
+        for p in await sm.get("/parameters/shovel", ok404=True) or []
+        if p["vhost"] in vhosts and p["name"].startswith(SHOVEL_PREFIX)
+    ]
+    for p in found:
+        await sm.delete(f"/parameters/shovel/{q(p['vhost'])}/{q(p['name'])}")
+    return len(found)
+
+
+# -- restore and report ------------------------------------------------------------------------------
+
+
+async def _finish(
+    sm: Management,
+    src_c: RabbitCluster,
+    dst_c: RabbitCluster,
+    journal: dict[str, Any],
+    req: FailbackRequest,
+    emit: Emit,
+    engine: dict[str, Any] | None = None,
+    aborted: bool = False,
+) -> dict[str, Any]:
+    """Delete ferry's shovels, restore the upstreams and compare, report, delete the journal."""
+    shovels_deleted = await _delete_shovels(sm, journal)
+    src_counts, dst_counts = Counts(src_c, req.source), Counts(dst_c, req.target)
+    try:
+        rows = []
+        for x in journal["queues"]:
+            left = await src_counts.ready(x["vhost"], x["queue"])
+            rows.append(
+                {
+                    "vhost": x["vhost"],
+                    "queue": x["queue"],
+                    "target": x["target"],
+                    "type": x["type"],
+                    "before": x["before"],
+                    "moved": x["before"] - left,
+                    "left": left,
+                    "target_before": x["target_before"],
+                    "target_after": await dst_counts.ready(x["vhost"], x["target"]),
+                }
+            )
+    finally:
+        await src_counts.close()
+        await dst_counts.close()
+    if not aborted and any(r["left"] for r in rows):
+        left = ", ".join(f"{r['vhost']}/{r['queue']} ({r['left']:,})" for r in rows if r["left"])
+        raise OperationFailed(
+            f"messages left after the transfer: {left}; the upstreams stay disabled (rerun to continue, or --abort)"
+        )
+    upstream_after = await _upstream_counts(journal["upstreams"], journal["queues"])
+    restored = []
+    for u in journal["upstreams"]:
+        path = f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}"
+        await sm.put(path, {"value": u["value"]})
+        now = await sm.get(path, ok404=True)
+        same = now is not None and now["value"] == u["value"]
+        restored.append({"vhost": u["vhost"], "upstream": u["name"], "identical": same})
+        emit("upstream-restored", vhost=u["vhost"], upstream=u["name"], identical=same)
+    if not all(r["identical"] for r in restored):
+        raise OperationFailed("an upstream differs from its saved definition after restore; the journal is kept")
+    await sm.delete(f"/global-parameters/{JOURNAL}")
+    before = {(u["vhost"], u["upstream"], u["queue"]): u.get("messages") for u in journal.get("upstream_queues", [])}
+    upstream_queues = [
+        {**u, "before": before.get((u["vhost"], u["upstream"], u["queue"])), "after": u.pop("messages")}
+        for u in upstream_after
+    ]
+    report = {
+        "outcome": "aborted" if aborted else "complete",
+        "id": journal["id"],
+        "source": journal["source"],
+        "target": journal["target"],
+        "engine": req.engine,
+        "started": journal["started"],
+        "queues": rows,
+        "total": {k: sum(r[k] for r in rows) for k in ("before", "moved", "left")},
+        "upstreams_restored": restored,
+        "upstream_queues": upstream_queues,
+        "upstream_pulled": sum(
+            (u["before"] or 0) - (u["after"] or 0) for u in upstream_queues if u["before"] is not None
+        ),
+        "shovels_deleted": shovels_deleted,
+        "possible_duplicates": (engine or {}).get("possible_duplicates", 0),
+    }
+    return report

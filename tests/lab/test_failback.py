@@ -1,0 +1,223 @@
+"""`ferry failback` on the rabbit-dr lab: art feeds pc1 and ltm by queue federation;
+the messages left on ltm come back to pc1 and none is pulled from art."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ferry import lab
+from ferry.brokers.rabbitmq import Management, q
+from ferry.lab.scenarios import dr_federation, fill
+from ferry.topology import Topology
+from tests.conftest import profile_topology
+from tests.helpers import ferry, ferry_killed_when, queue_depth
+
+VHOSTS = {"fb-a": [f"fed-{i}" for i in range(5)], "fb /#%ü": [f"fed q/{i}#ü" for i in range(5)]}
+PER_QUEUE = 10_000
+PLAIN = 100
+
+
+async def _counts(topo: Topology, cluster: str, names: list[str]) -> dict[str, int]:
+    out = {}
+    for vhost, queues in VHOSTS.items():
+        for queue in [*queues, *names]:
+            out[f"{vhost}|{queue}"] = await queue_depth(topo, cluster, vhost, queue)
+    return out
+
+
+async def _upstreams(topo: Topology, cluster: str) -> dict[str, Any]:
+    async with Management(topo.rabbitmq(cluster), name=cluster) as m:
+        return {v: await m.get(f"/parameters/federation-upstream/{q(v)}/art", ok404=True) for v in VHOSTS}
+
+
+async def _leftovers(topo: Topology) -> dict[str, Any]:
+    async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
+        return {
+            "shovels": [p for p in await m.get("/parameters/shovel") if p["vhost"] in VHOSTS],
+            "journal": await m.get("/global-parameters/ferry-failback", ok404=True),
+        }
+
+
+@pytest.fixture
+def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The setting with 10 x 10,000 messages on ltm (ledger in tmp_path/ledger) and 100 in each plain queue."""
+    topo = profile_topology(rabbit_dr)
+    topology = rabbit_dr.path / "topology.yaml"
+    for vhost, queues in VHOSTS.items():
+        asyncio.run(dr_federation(topo, [vhost], queues, upstream_messages=50))
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    for i, vhost in enumerate(VHOSTS):
+        part = tmp_path / f"ledger-{i}"
+        pattern = VHOSTS[vhost][0].replace("0", "{n}")
+        ferry(
+            "load",
+            f"rabbitmq://ltm/{q(vhost)}",
+            "--subject",
+            pattern,
+            "--subjects",
+            "5",
+            "--count",
+            str(5 * PER_QUEUE),
+            "--producers",
+            "2",
+            "--ledger",
+            str(part),
+            topology=topology,
+            check=True,
+        )
+        for f in part.glob("*.parquet"):
+            shutil.copy(f, ledger / f"{i}-{f.name}")
+        asyncio.run(fill(topo, "ltm", vhost, ["plain-0"], PLAIN))
+    yield {
+        "topo": topo,
+        "topology": topology,
+        "ledger": ledger,
+        "password": topo.rabbitmq("ltm").credentials.password(),  # type: ignore[union-attr]
+        "art": asyncio.run(_counts(topo, "art", [])),
+        "upstreams": asyncio.run(_upstreams(topo, "ltm")),
+    }
+
+    async def drop() -> None:
+        for name in ("art", "pc1", "ltm"):
+            async with Management(topo.rabbitmq(name), name=name) as m:
+                for vhost in VHOSTS:
+                    await m.delete(f"/vhosts/{q(vhost)}")
+                await m.delete("/global-parameters/ferry-failback")
+
+    asyncio.run(drop())
+
+
+def _audit(dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
+    snap = tmp_path / "pc1-snap"
+    ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), topology=dr["topology"], check=True)
+    result = ferry(
+        "audit",
+        "--ledger",
+        str(dr["ledger"]),
+        "--tier",
+        f"pc1={snap}",
+        "--max-dup",
+        str(max_dup),
+        "--html",
+        str(tmp_path / "audit.html"),
+        "--json",
+        topology=dr["topology"],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return json.loads(result.stdout)["tiers"]["pc1"]
+
+
+def _assert_done(dr: dict[str, Any]) -> None:
+    topo = dr["topo"]
+    ltm = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+    pc1 = asyncio.run(_counts(topo, "pc1", []))
+    for key, n in ltm.items():
+        assert n == (PLAIN if key.endswith("plain-0") else 0), key  # drained; unfederated untouched
+    assert all(n >= PER_QUEUE for n in pc1.values()), pc1
+    assert asyncio.run(_counts(topo, "art", [])) == dr["art"]  # nothing pulled from upstream
+    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]  # restored exactly
+    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+
+
+@pytest.mark.parametrize("engine", ["shovel", "spark"])
+def test_failback_moves_every_orphaned_message_and_restores_federation(
+    dr: dict[str, Any], tmp_path: Path, engine: str
+) -> None:
+    topology, topo = dr["topology"], dr["topo"]
+    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+
+    dry = ferry("failback", "--from", "ltm", "--to", "pc1", "--dry-run", "--json", topology=topology, check=True)
+    plan = json.loads(dry.stdout)["plan"]
+    mine = [x for x in plan["queues"] if x["vhost"] in VHOSTS]
+    assert len(mine) == 10 and all(x["before"] == PER_QUEUE for x in mine)
+    assert {(u["vhost"], u["name"]) for u in plan["upstreams"]} >= {(v, "art") for v in VHOSTS}
+    assert dr["password"] not in dry.stdout + dry.stderr  # upstream URIs carry the password
+    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # the dry run changed nothing
+    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+
+    result = ferry(
+        "failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--max-active", "4", "--json",
+        topology=topology,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "complete"
+    rows = [r for r in report["queues"] if r["vhost"] in VHOSTS]
+    assert [r["moved"] for r in rows] == [PER_QUEUE] * 10 and all(r["left"] == 0 for r in rows)
+    assert all(u["identical"] for u in report["upstreams_restored"])
+    assert report["upstream_pulled"] == 0
+    assert all(u["before"] == u["after"] == 50 for u in report["upstream_queues"] if u["vhost"] in VHOSTS)
+    assert dr["password"] not in result.stdout + result.stderr
+    _assert_done(dr)
+
+    tier = _audit(dr, tmp_path, max_dup=report["possible_duplicates"])
+    assert tier["lost"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE
+
+    again = ferry("failback", "--from", "ltm", "--to", "pc1", "--json", topology=topology, check=True)
+    assert json.loads(again.stdout)["outcome"] == "nothing to do"
+
+
+def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path: Path) -> None:
+    topology, topo = dr["topology"], dr["topo"]
+    args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "spark")
+
+    def upstreams_gone() -> bool:
+        return not any(asyncio.run(_upstreams(topo, "ltm")).values())
+
+    def transfer_under_way() -> bool:
+        left = sum(asyncio.run(_counts(topo, "ltm", [])).values())
+        return left < 7 * PER_QUEUE
+
+    ferry_killed_when(upstreams_gone, *args, topology=topology)
+    journal = asyncio.run(_leftovers(topo))["journal"]
+    assert journal is not None and journal["value"]["phase"] in ("disabling", "transferring")
+    assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled, definitions in the journal
+
+    ferry_killed_when(transfer_under_way, *args, topology=topology)
+    assert sum(asyncio.run(_counts(topo, "ltm", [])).values()) > 0  # killed before the end
+
+    elsewhere = tmp_path / "another-machine"
+    elsewhere.mkdir()
+    result = ferry(*args, "--json", topology=topology, cwd=elsewhere)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "complete" and report["total"]["left"] == 0
+    assert report["total"]["before"] == 10 * PER_QUEUE  # from the journal: the counts before the first run
+    _assert_done(dr)
+    tier = _audit(dr, tmp_path, max_dup=report["possible_duplicates"])
+    assert tier["lost"] == 0
+
+
+def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
+    topology, topo = dr["topology"], dr["topo"]
+    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+    text = topology.read_text()
+    bad_password = tmp_path / "wrong"
+    bad_password.write_text("not-the-password")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(text.replace("password_file: ", f"password_file: {bad_password} #"))
+    dead = tmp_path / "dead.yaml"
+    dead.write_text(text.replace(topo.rabbitmq("ltm").brokers[0].management_url, "http://127.0.0.1:1"))
+    cases = [
+        (wrong, ["--from", "ltm", "--to", "pc1"], "refused the credentials"),
+        (dead, ["--from", "ltm", "--to", "pc1"], "not answering"),
+        (topology, ["--from", "ltm", "--to", "nowhere"], "nowhere"),
+        (topology, ["--from", "ltm", "--to", "ltm"], "--target-queue"),
+        (topology, ["--from", "ltm", "--to", "pc1", "--vhost", "no-such-vhost"], "no-such-vhost"),
+    ]
+    for path, args, text in cases:
+        result = ferry("failback", *args, topology=path)
+        assert result.returncode != 0, args
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0], (args, result.stderr)
+    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
+    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
