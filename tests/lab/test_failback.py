@@ -10,11 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aio_pika
+import pyarrow.parquet as pq
 import pytest
 
 from ferry import lab
-from ferry.brokers.rabbitmq import Management, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.lab.scenarios import dr_federation, fill
+from ferry.pipeline.rabbitmq import headers_from_json
 from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import ferry, ferry_killed_when, queue_depth
@@ -76,6 +79,7 @@ def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
         for f in part.glob("*.parquet"):
             shutil.copy(f, ledger / f"{i}-{f.name}")
         asyncio.run(fill(topo, "ltm", vhost, ["plain-0"], PLAIN))
+    asyncio.run(_publish_rich(topo))
     yield {
         "topo": topo,
         "topology": topology,
@@ -95,6 +99,43 @@ def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
     asyncio.run(drop())
 
 
+RICH = {
+    "content_type": "application/json",
+    "correlation_id": "corr-1",
+    "priority": 3,
+    "message_id": "rich-1",
+    "app_id": "ferry-test",
+    "type": "order",
+}
+RICH_HEADERS = {"tenant": "eu", "n": 7, "nested": {"k": [1, "two"]}, "ü": True}
+
+
+async def _publish_rich(topo: Topology) -> None:
+    """One message with properties and nested headers, on fb-a/fed-4 (which then holds PER_QUEUE + 1)."""
+    conn = await amqp_connect(topo.rabbitmq("ltm"), vhost="fb-a")
+    try:
+        ch = await conn.channel(publisher_confirms=True)
+        msg = aio_pika.Message(b'{"rich": 1}', headers=RICH_HEADERS, delivery_mode=2, **RICH)  # type: ignore[arg-type]
+        await ch.default_exchange.publish(msg, routing_key="fed-4")
+    finally:
+        await conn.close()
+
+
+def _expected(vhost: str, queue: str) -> int:
+    return PER_QUEUE + (vhost == "fb-a" and queue == "fed-4")
+
+
+def _assert_rich_preserved(snapshot: Path) -> None:
+    rows = pq.read_table(snapshot).to_pylist()
+    (rich,) = [r for r in rows if r["properties"]["message_id"] == "rich-1"]
+    props = rich["properties"]
+    assert {k: props[k] for k in RICH} == RICH and props["delivery_mode"] == 2
+    headers = headers_from_json(props["headers"])
+    assert headers["tenant"] == "eu" and headers["n"] == 7 and headers["ü"] is True
+    assert headers["nested"] == {"k": [1, "two"]}
+    assert rich["payload"] == b'{"rich": 1}'
+
+
 def _audit(dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
     snap = tmp_path / "pc1-snap"
     ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), topology=dr["topology"], check=True)
@@ -112,6 +153,7 @@ def _audit(dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, An
         topology=dr["topology"],
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    _assert_rich_preserved(snap)
     return json.loads(result.stdout)["tiers"]["pc1"]
 
 
@@ -121,7 +163,7 @@ def _assert_done(dr: dict[str, Any]) -> None:
     pc1 = asyncio.run(_counts(topo, "pc1", []))
     for key, n in ltm.items():
         assert n == (PLAIN if key.endswith("plain-0") else 0), key  # drained; unfederated untouched
-    assert all(n >= PER_QUEUE for n in pc1.values()), pc1
+    assert all(n >= _expected(*key.split("|")) for key, n in pc1.items()), pc1
     assert asyncio.run(_counts(topo, "art", [])) == dr["art"]  # nothing pulled from upstream
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]  # restored exactly
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
@@ -137,7 +179,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     dry = ferry("failback", "--from", "ltm", "--to", "pc1", "--dry-run", "--json", topology=topology, check=True)
     plan = json.loads(dry.stdout)["plan"]
     mine = [x for x in plan["queues"] if x["vhost"] in VHOSTS]
-    assert len(mine) == 10 and all(x["before"] == PER_QUEUE for x in mine)
+    assert len(mine) == 10 and all(x["before"] == _expected(x["vhost"], x["queue"]) for x in mine)
     assert {(u["vhost"], u["name"]) for u in plan["upstreams"]} >= {(v, "art") for v in VHOSTS}
     assert dr["password"] not in dry.stdout + dry.stderr  # upstream URIs carry the password
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # the dry run changed nothing
@@ -151,7 +193,8 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     report = json.loads(result.stdout)
     assert report["outcome"] == "complete"
     rows = [r for r in report["queues"] if r["vhost"] in VHOSTS]
-    assert [r["moved"] for r in rows] == [PER_QUEUE] * 10 and all(r["left"] == 0 for r in rows)
+    assert [r["moved"] for r in rows] == [_expected(r["vhost"], r["queue"]) for r in rows]
+    assert len(rows) == 10 and all(r["left"] == 0 for r in rows)
     assert all(u["identical"] for u in report["upstreams_restored"])
     assert report["upstream_pulled"] == 0
     assert all(u["before"] == u["after"] == 50 for u in report["upstream_queues"] if u["vhost"] in VHOSTS)
@@ -190,7 +233,7 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["outcome"] == "complete" and report["total"]["left"] == 0
-    assert report["total"]["before"] == 10 * PER_QUEUE  # from the journal: the counts before the first run
+    assert report["total"]["before"] == 10 * PER_QUEUE + 1  # from the journal: the counts before the first run
     _assert_done(dr)
     tier = _audit(dr, tmp_path, max_dup=report["possible_duplicates"])
     assert tier["lost"] == 0
@@ -221,3 +264,40 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+
+
+def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
+    topology, topo = dr["topology"], dr["topo"]
+    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+
+    async def while_locked() -> Any:  # another ferry holds the lock queue
+        conn = await amqp_connect(topo.rabbitmq("ltm"), vhost="/")
+        try:
+            ch = await conn.channel()
+            await ch.declare_queue("ferry-failback-lock", exclusive=True, auto_delete=True)
+            return await asyncio.to_thread(ferry, "failback", "--from", "ltm", "--to", "pc1", topology=topology)
+        finally:
+            await conn.close()
+
+    locked = asyncio.run(while_locked())
+    assert locked.returncode != 0 and "another ferry failback is running" in locked.stderr
+    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+
+    def upstreams_gone() -> bool:
+        return not any(asyncio.run(_upstreams(topo, "ltm")).values())
+
+    base = ("failback", "--from", "ltm", "--to", "pc1")
+    ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology)
+    view = json.loads(ferry(*base, "--dry-run", "--json", topology=topology, check=True).stdout)
+    assert view["resuming"]["phase"] in ("disabling", "transferring") and dr["password"] not in json.dumps(view)
+    moved_to = ferry("failback", "--from", "ltm", "--to", "ltm", "--target-queue", "x", topology=topology)
+    assert moved_to.returncode != 0 and "rerun it with --to pc1" in moved_to.stderr  # the journal's target wins
+
+    aborted = ferry("failback", "--from", "ltm", "--to", "pc1", "--abort", "--json", topology=topology, check=True)
+    report = json.loads(aborted.stdout)
+    assert report["outcome"] == "aborted" and all(u["identical"] for u in report["upstreams_restored"])
+    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # killed before the transfer began
+    nothing = ferry("failback", "--from", "ltm", "--to", "pc1", "--abort", "--json", topology=topology, check=True)
+    assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"

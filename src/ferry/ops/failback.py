@@ -180,22 +180,24 @@ async def _upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[st
                 continue
             queue = u["value"].get("queue") or x["queue"]
             rows.setdefault((x["vhost"], name, queue), {"vhost": x["vhost"], "upstream": name, "queue": queue})
-    for (vhost, name, queue), row in rows.items():
-        row["messages"], row["error"] = None, None
-        for uri in _uris(by_key[(vhost, name)]["value"]):
-            try:
-                conn = await aio_pika.connect(uri, timeout=5)
-            except Exception as exc:
-                row["error"] = f"{redact(uri)}: {type(exc).__name__}"
-                continue
-            try:
-                ch = await conn.channel()
-                declared = await ch.declare_queue(queue, passive=True)
-                row["messages"], row["error"] = int(declared.declaration_result.message_count), None
-                break
-            except Exception as exc:
-                row["error"] = f"queue {queue!r}: {type(exc).__name__}"
-            finally:
+    conns: dict[str, Any] = {}  # one connection per upstream URI
+    try:
+        for (vhost, name, queue), row in rows.items():
+            row["messages"], row["error"] = None, None
+            for uri in _uris(by_key[(vhost, name)]["value"]):
+                try:
+                    if uri not in conns:
+                        conns[uri] = await aio_pika.connect(uri, timeout=5)
+                    ch = await conns[uri].channel()
+                    declared = await ch.declare_queue(queue, passive=True)
+                    row["messages"], row["error"] = int(declared.declaration_result.message_count), None
+                    await ch.close()
+                    break
+                except Exception as exc:  # unreachable, refused, or no such queue: say so, do not stop
+                    row["error"] = f"{redact(uri)} queue {queue!r}: {type(exc).__name__}"
+    finally:
+        for conn in conns.values():
+            with contextlib.suppress(Exception):
                 await conn.close()
     return list(rows.values())
 
