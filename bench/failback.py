@@ -37,7 +37,7 @@ from bench._util import run_ferry, save_rows
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, q
 from ferry.lab.scenarios import dr_federation
-from ferry.ops.failback import FailbackRequest, shovel_definition
+from ferry.ops.failback import Counts, FailbackRequest, shovel_definition
 from ferry.topology import Topology, load_topology
 
 VHOST = "bench"
@@ -105,13 +105,15 @@ async def gist(topo: Topology, max_active: int = 5, poll: float = 10.0) -> float
 
 async def check(topo: Topology, queues: list[str], per_queue: int) -> None:
     """Every message on pc1, none left on ltm, the upstream back."""
-    from tests.helpers import queue_depth
-
-    for queue in queues:
-        left = await queue_depth(topo, "ltm", VHOST, queue)
-        there = await queue_depth(topo, "pc1", VHOST, queue)
-        if left or there < per_queue:
-            raise SystemExit(f"check failed for {queue}: ltm {left}, pc1 {there}")
+    ltm, pc1 = Counts(topo.rabbitmq("ltm"), "ltm"), Counts(topo.rabbitmq("pc1"), "pc1")
+    try:
+        for queue in queues:
+            left, there = await ltm.ready(VHOST, queue), await pc1.ready(VHOST, queue)
+            if left or there < per_queue:
+                raise SystemExit(f"check failed for {queue}: ltm {left}, pc1 {there}")
+    finally:
+        await ltm.close()
+        await pc1.close()
     async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
         if await m.get(f"/parameters/federation-upstream/{VHOST}/art", ok404=True) is None:
             raise SystemExit("check failed: upstream art not restored")

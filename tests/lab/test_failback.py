@@ -16,6 +16,7 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.scenarios import dr_federation, fill
 from ferry.pipeline.rabbitmq import headers_from_json
 from ferry.topology import Topology
@@ -264,6 +265,21 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+
+
+def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any], rabbit_dr: lab.LabState) -> None:
+    ltm = rabbit_dr.proc("ltm")
+    lab_rabbit.plugins(ltm, "disable", "--online", "rabbitmq_shovel_management")
+    try:
+        result = ferry("failback", "--from", "ltm", "--to", "pc1", topology=dr["topology"])
+        assert result.returncode != 0
+        assert result.stderr.strip() == "error: ltm: the shovel plugin is not enabled (rabbitmq_shovel_management)"
+        assert asyncio.run(_upstreams(dr["topo"], "ltm")) == dr["upstreams"]
+        assert asyncio.run(_leftovers(dr["topo"]))["journal"] is None
+    finally:
+        lab_rabbit.plugins(ltm, "enable", "--online", "rabbitmq_shovel_management")
+    assert lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in rabbit_dr.rabbit if n["name"] == "ltm"],
+                             dr["password"])["ltm"] == "ok"  # fmt: skip
 
 
 def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:

@@ -13,16 +13,17 @@ import os
 import pwd
 import secrets
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, FerryError
 from ferry.lab.procs import Proc, free_ports, port_open
 
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
-RABBITMQCTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
+RABBITMQ_PLUGINS = "/usr/lib/rabbitmq/bin/rabbitmq-plugins"
 PLUGINS = [
     "rabbitmq_management",
     "rabbitmq_shovel",
@@ -172,6 +173,18 @@ def make_procs(nodes: list[RabbitNode], root: Path, password: str, epmd_port: in
             if path.name != "secrets" and "secrets" not in path.parts:
                 shutil.chown(path, user, user)
     return procs
+
+
+def plugins(proc: Proc, *args: str) -> None:
+    """Run ``rabbitmq-plugins`` against a running lab node (its environment, its user), e.g.
+    ``plugins(p, "disable", "--online", "rabbitmq_shovel_management")``."""
+    env = {**proc.env}
+    argv = [RABBITMQ_PLUGINS, "-n", env["RABBITMQ_NODENAME"], *args]
+    if proc.user:
+        argv = ["runuser", "-u", proc.user, "--", "env", *[f"{k}={v}" for k, v in env.items()], *argv]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=proc.cwd, timeout=120, env=env)
+    if result.returncode != 0:
+        raise FerryError(f"rabbitmq-plugins {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
 
 
 def topology_cluster(nodes: list[RabbitNode], cluster: str, secrets_dir: Path) -> dict[str, object]:
