@@ -240,6 +240,24 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path:
     assert tier["lost"] == 0
 
 
+def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path) -> None:
+    topology, topo = dr["topology"], dr["topo"]
+    args = ("failback", "--from", "ltm", "--to", "pc1", "--max-active", "2")
+
+    def transfer_under_way() -> bool:
+        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 9 * PER_QUEUE
+
+    ferry_killed_when(transfer_under_way, *args, topology=topology)
+    # the broker keeps shovelling without ferry; the rerun adopts the shovels still running
+    assert asyncio.run(_leftovers(topo))["journal"]["value"]["phase"] == "transferring"
+    result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "complete" and report["total"]["left"] == 0
+    _assert_done(dr)
+    assert _audit(dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
+
+
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
     before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))

@@ -457,7 +457,7 @@ async def _transfer(
             result = await _shovels(topo, sm, counts, journal, todo, req, emit)
         else:
             await _delete_shovels(sm, journal)  # left by an interrupted shovel run
-            watch = asyncio.create_task(_watch(counts, journal, emit))
+            watch = asyncio.create_task(_watch(src_c, req.source, journal, emit))
             try:
                 result = await asyncio.to_thread(_spark_move, topo, journal, todo, ready, req, spark) if todo else {}
             finally:
@@ -473,13 +473,18 @@ async def _left(counts: Counts, queues: list[dict[str, Any]]) -> dict[str, int]:
     return {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in queues}
 
 
-async def _watch(counts: Counts, journal: dict[str, Any], emit: Emit) -> None:
+async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], emit: Emit) -> None:
+    """Progress while Spark moves: its own connections, so cancelling it leaves no reply in flight elsewhere."""
     total = sum(x["before"] for x in journal["queues"])
-    while True:
-        await asyncio.sleep(0.5)
-        with contextlib.suppress(FerryError):
-            left = sum((await _left(counts, journal["queues"])).values())
-            emit("progress", moved=total - left, total=total)
+    counts = Counts(cluster, name)
+    try:
+        while True:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(FerryError):
+                left = sum((await _left(counts, journal["queues"])).values())
+                emit("progress", moved=total - left, total=total)
+    finally:
+        await counts.close()
 
 
 def _spark_move(
@@ -550,7 +555,7 @@ async def _shovels(
 ) -> dict[str, Any]:
     """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty."""
     total = sum(x["before"] for x in journal["queues"])
-    present = await _ferry_shovels(sm, journal)
+    present = {p["name"] for p in await _ferry_shovels(sm, journal)}
     active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
     pending = [x for x in todo if _shovel_name(journal, x) not in active]
     empty_since: dict[str, float] = {}
@@ -566,7 +571,7 @@ async def _shovels(
             created += 1
             emit("shovel", queue=f"{x['vhost']}/{x['queue']}", name=name, active=len(active))
         await asyncio.sleep(POLL)
-        present = await _ferry_shovels(sm, journal)
+        present = {p["name"] for p in await _ferry_shovels(sm, journal)}
         states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
         now = time.monotonic()
         for name, x in list(active.items()):
@@ -605,22 +610,18 @@ async def _shovels(
     return {"shovels_created": created, "possible_duplicates": requeued}
 
 
-async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> set[str]:
+async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shovel parameters ferry created in the journal's vhosts."""
     vhosts = {x["vhost"] for x in journal["queues"]}
-    return {
-        p["name"]
-        for p in await sm.get("/parameters/shovel", ok404=True) or []
-        if p["vhost"] in vhosts and p["name"].startswith(SHOVEL_PREFIX)
-    }
-
-
-async def _delete_shovels(sm: Management, journal: dict[str, Any]) -> int:
-    vhosts = {x["vhost"] for x in journal["queues"]}
-    found = [
+    return [
         p
         for p in await sm.get("/parameters/shovel", ok404=True) or []
         if p["vhost"] in vhosts and p["name"].startswith(SHOVEL_PREFIX)
     ]
+
+
+async def _delete_shovels(sm: Management, journal: dict[str, Any]) -> int:
+    found = await _ferry_shovels(sm, journal)
     for p in found:
         await sm.delete(f"/parameters/shovel/{q(p['vhost'])}/{q(p['name'])}")
     return len(found)
