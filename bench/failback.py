@@ -37,7 +37,8 @@ from bench._util import run_ferry, save_rows
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, q
 from ferry.lab.scenarios import dr_federation
-from ferry.ops.failback import Counts, FailbackRequest, shovel_definition
+from ferry.ops.failback import FailbackRequest, shovel_definition
+from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import Topology, load_topology
 
 VHOST = "bench"
@@ -105,7 +106,7 @@ async def gist(topo: Topology, max_active: int = 5, poll: float = 10.0) -> float
 
 async def check(topo: Topology, queues: list[str], per_queue: int) -> None:
     """Every message on pc1, none left on ltm, the upstream back."""
-    ltm, pc1 = Counts(topo.rabbitmq("ltm"), "ltm"), Counts(topo.rabbitmq("pc1"), "pc1")
+    ltm, pc1 = QueueCounts(topo.rabbitmq("ltm")), QueueCounts(topo.rabbitmq("pc1"))
     try:
         for queue in queues:
             left, there = await ltm.ready(VHOST, queue), await pc1.ready(VHOST, queue)

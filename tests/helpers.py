@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 from nats.js.api import Placement, StreamConfig
 
 from ferry.brokers import nats as bnats
@@ -123,18 +122,6 @@ async def make_queues(topo: Topology, cluster: str, vhost: str, names: list[str]
             await m.delete(f"/queues/{q(vhost)}/{q(name)}")
             args = {"x-queue-type": "quorum"} if name in quorum else {}
             await m.put(f"/queues/{q(vhost)}/{q(name)}", {"durable": True, "arguments": args})
-
-
-async def fill_queue(
-    topo: Topology, cluster: str, vhost: str, queue: str, n: int, message: Callable[[int], aio_pika.Message]
-) -> None:
-    conn = await amqp_connect(topo.rabbitmq(cluster), vhost=vhost)
-    async with conn:
-        ch = await conn.channel(publisher_confirms=True)
-        for start in range(0, n, 500):
-            await asyncio.gather(
-                *(ch.default_exchange.publish(message(i), routing_key=queue) for i in range(start, min(n, start + 500)))
-            )
 
 
 async def queue_messages(topo: Topology, cluster: str, vhost: str, queue: str) -> list[dict[str, Any]]:

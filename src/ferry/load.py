@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, UsageError
+from ferry.pipeline._amqp import raw_connect
 from ferry.publish import Ack, Pacer, Publisher
 from ferry.topology import Topology
 
@@ -349,8 +350,6 @@ class _RabbitSender(_Sender):
         self.returned: str | None = None
 
     async def open(self) -> None:
-        from ferry.pipeline.rabbitmq import raw_connect
-
         self.conn = await raw_connect(self.topology.rabbitmq(self.cluster), self.vhost, name=self.cluster)
         self.ch = await self.conn.channel()
         if self.opts.confirms:

@@ -17,7 +17,7 @@ import pytest
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.lab import rabbitmq as lab_rabbit
-from ferry.lab.scenarios import dr_federation, fill
+from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.pipeline.rabbitmq import headers_from_json
 from ferry.topology import Topology
 from tests.conftest import profile_topology
@@ -79,7 +79,7 @@ def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
         )
         for f in part.glob("*.parquet"):
             shutil.copy(f, ledger / f"{i}-{f.name}")
-        asyncio.run(fill(topo, "ltm", vhost, ["plain-0"], PLAIN))
+        asyncio.run(fill_queue(topo, "ltm", vhost, "plain-0", PLAIN))
     asyncio.run(_publish_rich(topo))
     yield {
         "topo": topo,

@@ -11,11 +11,11 @@ import aio_pika
 import pytest
 
 from ferry import lab
+from ferry.lab.scenarios import fill_queue
 from tests.conftest import profile_topology
 from tests.helpers import (
     ferry,
     ferry_killed_when,
-    fill_queue,
     fill_stream,
     make_queues,
     make_stream,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ferry.ops.failback import effective_policy, public, redact
+from ferry.brokers.base import mask_urls as redact
+from ferry.ops.failback import effective_policy, public
 
 
 def _policy(name: str, pattern: str, priority: int = 0, apply_to: str = "queues", vhost: str = "/") -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ def mask_url(url: str) -> str:
         return url
     netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def mask_urls(text: str) -> str:
+    """Every amqp(s):// URL in free text (a broker's error, a shovel's reason) with its password masked."""
+    return re.sub(r"amqps?://\S+", lambda m: mask_url(m.group()), text)
 
 
 async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str]) -> Probe:

@@ -27,7 +27,7 @@ from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
 from ferry.topology import RabbitBroker, RabbitCluster
 
-__all__ = ["Management", "Rabbit", "amqp_connect", "probe", "q"]
+__all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
 
 
 # pamqp (under aio-pika and ferry's raw frames) refuses queue and exchange names outside
@@ -93,6 +93,16 @@ class Management:
 
     async def delete(self, path: str, ok404: bool = True) -> Any:
         return await self.request("DELETE", path, ok404=ok404)
+
+
+def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:
+    """The URI of `cluster`'s first broker with its credentials and `vhost`, for a broker to connect
+    to another (a shovel's destination, a federation upstream). It carries the password: never print it."""
+    parts = urlsplit(cluster.brokers[0].url)
+    creds = cluster.credentials
+    user = quote(creds.user if creds else "guest", safe="")
+    password = quote((creds.password() if creds else None) or "guest", safe="")
+    return f"{parts.scheme}://{user}:{password}@{parts.hostname}:{parts.port}/{q(vhost)}"
 
 
 async def amqp_connect(

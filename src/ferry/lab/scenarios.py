@@ -10,23 +10,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote, urlsplit
 
 import aio_pika
 
-from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, amqp_uri, q
 from ferry.topology import Topology
 
-__all__ = ["dr_federation", "fill"]
-
-
-def _uri(topo: Topology, cluster: str, vhost: str) -> str:
-    c = topo.rabbitmq(cluster)
-    parts = urlsplit(c.brokers[0].url)
-    creds = c.credentials
-    user, pw = (creds.user, creds.password() or "") if creds else ("guest", "guest")
-    return f"amqp://{quote(user, safe='')}:{quote(pw, safe='')}@{parts.hostname}:{parts.port}/{q(vhost)}"
+__all__ = ["dr_federation", "fill_queue"]
 
 
 async def dr_federation(
@@ -39,6 +32,7 @@ async def dr_federation(
     upstream_messages: int = 100,
 ) -> dict[str, Any]:
     """Create the setting (idempotent); returns the names, per vhost."""
+    art = topo.rabbitmq("art")
     for name in ("art", "pc1", "ltm"):
         creds = topo.rabbitmq(name).credentials
         user = creds.user if creds else "guest"
@@ -55,27 +49,36 @@ async def dr_federation(
                     await m.put(f"/queues/{q(vhost)}/plain-{i}", {"durable": True})
                 await m.put(
                     f"/parameters/federation-upstream/{q(vhost)}/art",
-                    {"value": {"uri": _uri(topo, "art", vhost), "ack-mode": "on-confirm", "expires": 3600000}},
+                    {"value": {"uri": amqp_uri(art, vhost), "ack-mode": "on-confirm", "expires": 3600000}},
                 )
                 await m.put(
                     f"/policies/{q(vhost)}/federate-with-art",
                     {"pattern": f"^{prefix}", "definition": {"federation-upstream": "art"}, "apply-to": "queues"},
                 )
     for vhost in vhosts:
-        await fill(topo, "art", vhost, queues, upstream_messages)
+        for queue in queues:
+            await fill_queue(topo, "art", vhost, queue, upstream_messages)
     return {"vhosts": vhosts, "queues": queues, "plain": [f"plain-{i}" for i in range(plain)]}
 
 
-async def fill(topo: Topology, cluster: str, vhost: str, queues: list[str], per_queue: int) -> None:
-    """Publish `per_queue` persistent messages to each queue, with confirms."""
+async def fill_queue(
+    topo: Topology,
+    cluster: str,
+    vhost: str,
+    queue: str,
+    n: int,
+    message: Callable[[int], aio_pika.Message] | None = None,
+) -> None:
+    """Publish `n` messages to `queue` with confirms, 500 in flight; by default persistent `<queue>:<i>`."""
+
+    def default(i: int) -> aio_pika.Message:
+        return aio_pika.Message(f"{queue}:{i}".encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+
+    make = message or default
     conn = await amqp_connect(topo.rabbitmq(cluster), vhost=vhost)
-    try:
+    async with conn:
         ch = await conn.channel(publisher_confirms=True)
-        for queue in queues:
-            for n in range(per_queue):
-                await ch.default_exchange.publish(
-                    aio_pika.Message(f"{queue}:{n}".encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                    routing_key=queue,
-                )
-    finally:
-        await conn.close()
+        for start in range(0, n, 500):
+            await asyncio.gather(
+                *(ch.default_exchange.publish(make(i), routing_key=queue) for i in range(start, min(n, start + 500)))
+            )

@@ -44,14 +44,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote, urlsplit
 
 import aio_pika
 import aiormq
 
-from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.brokers.base import mask_url, mask_urls
+from ferry.brokers.rabbitmq import Management, amqp_connect, amqp_uri, q
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError
-from ferry.pipeline._amqp import Connection
+from ferry.ops import Emit, no_emit
+from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import RabbitCluster, Topology
 
 __all__ = ["JOURNAL", "FailbackRequest", "failback"]
@@ -61,12 +62,6 @@ LOCK = "ferry-failback-lock"  # exclusive queue held while ferry works
 SHOVEL_PREFIX = "ferry-failback-"
 FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")
 POLL = 0.2
-
-Emit = Callable[..., None]
-
-
-def no_emit(event: str, **data: Any) -> None:
-    pass
 
 
 @dataclass
@@ -83,15 +78,10 @@ class FailbackRequest:
     stall_timeout: float = 60.0  # seconds a shovel may fail before the failback stops
 
 
-def redact(text: str) -> str:
-    """`amqp://user:secret@host` -> `amqp://user:***@host`."""
-    return re.sub(r"(amqps?://[^:/@\s]*):[^@\s]*@", r"\1:***@", text)
-
-
 def public(plan: dict[str, Any]) -> dict[str, Any]:
     """A plan or journal fit to print: upstream URIs without their passwords."""
     upstreams = [
-        {**u, "value": {**u["value"], "uri": [redact(x) for x in _uris(u["value"])]}} for u in plan["upstreams"]
+        {**u, "value": {**u["value"], "uri": [mask_url(x) for x in _uris(u["value"])]}} for u in plan["upstreams"]
     ]
     return {**plan, "upstreams": upstreams}
 
@@ -194,39 +184,12 @@ async def _upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[st
                     await ch.close()
                     break
                 except Exception as exc:  # unreachable, refused, or no such queue: say so, do not stop
-                    row["error"] = f"{redact(uri)} queue {queue!r}: {type(exc).__name__}"
+                    row["error"] = f"{mask_url(uri)} queue {queue!r}: {type(exc).__name__}"
     finally:
         for conn in conns.values():
             with contextlib.suppress(Exception):
                 await conn.close()
     return list(rows.values())
-
-
-class Counts:
-    """Live ready counts (passive declares) on one cluster, one AMQP connection per vhost, kept open."""
-
-    def __init__(self, cluster: RabbitCluster, name: str) -> None:
-        self.cluster, self.name = cluster, name
-        self.conns: dict[str, Connection] = {}
-        self.channels: dict[str, Any] = {}
-
-    async def ready(self, vhost: str, queue: str) -> int:
-        from ferry.pipeline.rabbitmq import raw_connect
-
-        if vhost not in self.conns:
-            self.conns[vhost] = await raw_connect(self.cluster, vhost, name=self.name)
-        ch = self.channels.get(vhost)
-        if ch is None or ch.closed:
-            ch = self.channels[vhost] = await self.conns[vhost].channel()
-        try:
-            return await ch.declare_passive(queue)
-        except NotFound:
-            raise NotFound(f"{self.name}: queue {queue!r} not found in vhost {vhost!r}") from None
-
-    async def close(self) -> None:
-        for conn in self.conns.values():
-            with contextlib.suppress(Exception):
-                await conn.close()
 
 
 # -- the journal and the lock ----------------------------------------------------------------------
@@ -352,15 +315,16 @@ async def _plan(
             raise NotFound(f"{req.source}: vhost {req.vhost!r} does not exist")
         vhosts = [req.vhost]
     queues = await _federated_queues(sm, vhosts)
-    src_counts, dst_counts = Counts(src_c, req.source), Counts(dst_c, req.target)
+    src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
     try:
         for x in queues:
             x["before"] = await src_counts.ready(x["vhost"], x["queue"])
         queues = [x for x in queues if x["before"] > 0]
+        for vhost in sorted({x["vhost"] for x in queues}):
+            if await dm.get(f"/vhosts/{q(vhost)}", ok404=True) is None:
+                raise NotFound(f"{req.target}: vhost {vhost!r} does not exist (nothing was changed)")
         for x in queues:
             x["target"] = req.target_queue or x["queue"]
-            if await dm.get(f"/vhosts/{q(x['vhost'])}", ok404=True) is None:
-                raise NotFound(f"{req.target}: vhost {x['vhost']!r} does not exist (nothing was changed)")
             try:
                 x["target_before"] = await dst_counts.ready(x["vhost"], x["target"])
             except NotFound:
@@ -399,7 +363,7 @@ def _check_resume(journal: dict[str, Any], req: FailbackRequest) -> None:
 
 
 async def _resume_view(journal: dict[str, Any], src_c: RabbitCluster, req: FailbackRequest) -> dict[str, Any]:
-    counts = Counts(src_c, req.source)
+    counts = QueueCounts(src_c, req.source)
     try:
         left = {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in journal["queues"]}
     finally:
@@ -448,13 +412,13 @@ async def _transfer(
     emit: Emit,
     spark: Callable[[], Any] | None,
 ) -> dict[str, Any]:
-    counts = Counts(src_c, req.source)
+    counts = QueueCounts(src_c, req.source)
     try:
         ready = await _left(counts, journal["queues"])
         todo = [x for x in journal["queues"] if ready[f"{x['vhost']}/{x['queue']}"] > 0]
         emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
         if req.engine == "shovel":
-            result = await _shovels(topo, sm, counts, journal, todo, req, emit)
+            result = await _shovels(topo, sm, counts, journal, todo, ready, req, emit)
         else:
             await _delete_shovels(sm, journal)  # left by an interrupted shovel run
             watch = asyncio.create_task(_watch(src_c, req.source, journal, emit))
@@ -469,14 +433,14 @@ async def _transfer(
         await counts.close()
 
 
-async def _left(counts: Counts, queues: list[dict[str, Any]]) -> dict[str, int]:
+async def _left(counts: QueueCounts, queues: list[dict[str, Any]]) -> dict[str, int]:
     return {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in queues}
 
 
 async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], emit: Emit) -> None:
     """Progress while Spark moves: its own connections, so cancelling it leaves no reply in flight elsewhere."""
     total = sum(x["before"] for x in journal["queues"])
-    counts = Counts(cluster, name)
+    counts = QueueCounts(cluster, name)
     try:
         while True:
             await asyncio.sleep(0.5)
@@ -527,18 +491,13 @@ def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
 
 def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -> dict[str, Any]:
     """A dynamic shovel that drains one queue into its target and then deletes itself."""
-    dst = topo.rabbitmq(req.target)
-    parts = urlsplit(dst.brokers[0].url)
-    creds = dst.credentials
-    user = quote(creds.user if creds else "guest", safe="")
-    password = quote((creds.password() if creds else None) or "guest", safe="")
     return {
         "src-protocol": "amqp091",
         "src-uri": f"amqp:///{q(x['vhost'])}",  # the source node itself
         "src-queue": x["queue"],
         "src-delete-after": "queue-length",
         "dest-protocol": "amqp091",
-        "dest-uri": f"{parts.scheme}://{user}:{password}@{parts.hostname}:{parts.port}/{q(x['vhost'])}",
+        "dest-uri": amqp_uri(topo.rabbitmq(req.target), x["vhost"]),
         "dest-queue": x["target"],
         "ack-mode": "on-confirm",
     }
@@ -547,13 +506,16 @@ def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -
 async def _shovels(
     topo: Topology,
     sm: Management,
-    counts: Counts,
+    counts: QueueCounts,
     journal: dict[str, Any],
     todo: list[dict[str, Any]],
+    ready: dict[str, int],
     req: FailbackRequest,
     emit: Emit,
 ) -> dict[str, Any]:
-    """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty."""
+    """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty.
+
+    `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress."""
     total = sum(x["before"] for x in journal["queues"])
     present = {p["name"] for p in await _ferry_shovels(sm, journal)}
     active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
@@ -575,7 +537,7 @@ async def _shovels(
         states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
         now = time.monotonic()
         for name, x in list(active.items()):
-            left = await counts.ready(x["vhost"], x["queue"])
+            left = ready[f"{x['vhost']}/{x['queue']}"] = await counts.ready(x["vhost"], x["queue"])
             if name not in present:  # it deleted itself: the length it saw at start has been moved
                 del active[name]
                 if left:
@@ -590,7 +552,7 @@ async def _shovels(
             if state.get("state") == "terminated":
                 since = failing_since.setdefault(name, now)
                 if now - since > req.stall_timeout:
-                    reason = redact(str(state.get("reason", "terminated")))
+                    reason = mask_urls(str(state.get("reason", "terminated")))
                     raise OperationFailed(
                         f"shovel for {x['vhost']}/{x['queue']} failing for {req.stall_timeout:.0f}s: {reason}; "
                         "upstreams stay disabled (rerun to continue, or --abort)"
@@ -605,8 +567,8 @@ async def _shovels(
                 empty_since.pop(name, None)
         if now - last_emit >= 0.5:
             last_emit = now
-            left_total = sum((await _left(counts, journal["queues"])).values())
-            emit("progress", moved=total - left_total, total=total, active=len(active), pending=len(pending))
+            # only shovelled queues change (no upstream feeds them): the rest keep their last count
+            emit("progress", moved=total - sum(ready.values()), total=total, active=len(active), pending=len(pending))
     return {"shovels_created": created, "possible_duplicates": requeued}
 
 
@@ -642,7 +604,7 @@ async def _finish(
 ) -> dict[str, Any]:
     """Delete ferry's shovels, restore the upstreams and compare, report, delete the journal."""
     shovels_deleted = await _delete_shovels(sm, journal)
-    src_counts, dst_counts = Counts(src_c, req.source), Counts(dst_c, req.target)
+    src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
     try:
         rows = []
         for x in journal["queues"]:

@@ -47,7 +47,7 @@ import time
 import uuid
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -61,6 +61,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.ops import Emit, no_emit
 from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Publisher
 from ferry.topology import NatsCluster
 
@@ -86,12 +87,6 @@ CAPTURE_SCHEMA = pa.schema(
         ("payload", pa.binary()),
     ]
 )
-
-Emit = Callable[..., None]
-
-
-def no_emit(event: str, **data: Any) -> None:
-    pass
 
 
 @dataclass

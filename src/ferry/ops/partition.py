@@ -59,8 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, ConfigError, Conflict, OperationFailed, PreflightFailed, UsageError
+from ferry.ops import Emit, no_emit
 from ferry.ops import move as mv
-from ferry.ops.move import Emit, no_emit
 from ferry.subjects import SubjectError, SubjectIndex, overlap_witness, problem
 from ferry.topology import Topology
 

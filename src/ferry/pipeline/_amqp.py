@@ -24,11 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pamqp import commands, frame
 from pamqp.header import ContentHeader
 
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
+from ferry.topology import RabbitCluster
 
 _FRAME = struct.Struct(">BHI")
 _END = b"\xce"
@@ -450,3 +452,44 @@ class Connection:
                 ch.on_cancel()
         elif ch.rpc and not ch.rpc.done():
             ch.rpc.set_result(method)
+
+
+async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
+    """A raw-frame AMQP connection (the mover's fast path) to one broker of `cluster`."""
+    b = cluster.brokers[broker % len(cluster.brokers)]
+    creds = cluster.credentials
+    parts = urlsplit(b.url)
+    return await Connection.open(
+        parts.hostname or "127.0.0.1",
+        parts.port or 5672,
+        creds.user if creds else "guest",
+        (creds.password() if creds else None) or "guest",
+        vhost,
+        name=name or b.name,
+    )
+
+
+class QueueCounts:
+    """Live ready counts (passive declares; the management API lags by seconds) on one cluster,
+    one connection per vhost, kept open for polling."""
+
+    def __init__(self, cluster: RabbitCluster, name: str = "") -> None:
+        self.cluster, self.name = cluster, name or cluster.brokers[0].name
+        self.conns: dict[str, Connection] = {}
+        self.channels: dict[str, Channel] = {}
+
+    async def ready(self, vhost: str, queue: str) -> int:
+        if vhost not in self.conns:
+            self.conns[vhost] = await raw_connect(self.cluster, vhost, name=self.name)
+        ch = self.channels.get(vhost)
+        if ch is None or ch.closed:  # a missing queue closes the channel
+            ch = self.channels[vhost] = await self.conns[vhost].channel()
+        try:
+            return await ch.declare_passive(queue)
+        except NotFound:
+            raise NotFound(f"{self.name}: queue {queue!r} not found in vhost {vhost!r}") from None
+
+    async def close(self) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(Exception):
+                await conn.close()

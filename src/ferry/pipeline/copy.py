@@ -41,7 +41,8 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import ConfigError, FerryError, NotFound, UsageError
 from ferry.pipeline import jetstream as js
-from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue, raw_connect
+from ferry.pipeline._amqp import QueueCounts
+from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
 from ferry.pipeline.uris import Endpoint, parse_uri
 from ferry.topology import RabbitCluster, Topology
 
@@ -184,15 +185,12 @@ async def live_counts(cluster: RabbitCluster, queues: list[dict[str, Any]]) -> N
 
     Also proves AMQP access to every vhost involved before anything moves.
     """
-    for vhost in sorted({x["vhost"] for x in queues}):
-        conn = await raw_connect(cluster, vhost)
-        try:
-            ch = await conn.channel()
-            for x in queues:
-                if x["vhost"] == vhost:
-                    x["ready"] = await ch.declare_passive(x["queue"])
-        finally:
-            await conn.close()
+    counts = QueueCounts(cluster)
+    try:
+        for x in sorted(queues, key=lambda x: x["vhost"]):
+            x["ready"] = await counts.ready(x["vhost"], x["queue"])
+    finally:
+        await counts.close()
 
 
 async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, Any]]:

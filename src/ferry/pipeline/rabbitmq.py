@@ -47,7 +47,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aio_pika
 import pyarrow as pa
@@ -60,7 +59,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import amqp_connect, q
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
-from ferry.pipeline._amqp import Connection, Delivery, with_header
+from ferry.pipeline._amqp import Delivery, raw_connect, with_header
 from ferry.pipeline._common import WriteCounts, cluster_json, nats_cluster, opt_int, rabbit_cluster
 from ferry.pipeline.schema import ARROW_SCHEMA, SPARK_DDL, BatchBuilder
 from ferry.publish import Pacer, Publisher
@@ -190,21 +189,6 @@ def row_header(row: dict[str, Any], transfer_id: str | None, body_size: int) -> 
         app_id=props.get("app_id"),
     )
     return ContentHeader(0, body_size, properties).marshal()
-
-
-async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
-    """A raw-frame AMQP connection (the mover's fast path) to one broker of `cluster`."""
-    b = cluster.brokers[broker % len(cluster.brokers)]
-    creds = cluster.credentials
-    parts = urlsplit(b.url)
-    return await Connection.open(
-        parts.hostname or "127.0.0.1",
-        parts.port or 5672,
-        creds.user if creds else "guest",
-        (creds.password() if creds else None) or "guest",
-        vhost,
-        name=name or b.name,
-    )
 
 
 # -- sinks: where the mover puts messages -----------------------------------------------------
