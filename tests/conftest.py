@@ -31,8 +31,8 @@ def lab_dir() -> Iterator[Path]:
     assert not leftovers, f"profiles left running by a test: {leftovers}"
 
 
-def _profile(name: str, lab_dir: Path) -> Iterator[lab.LabState]:
-    state = lab.up(name, lab_dir, log=lambda _: None)
+def _profile(name: str, lab_dir: Path, haproxy: bool = False) -> Iterator[lab.LabState]:
+    state = lab.up(name, lab_dir, log=lambda _: None, haproxy=haproxy)
     yield state
     pgids = [p.pid for p in state.procs]
     lab.down(name, lab_dir, log=lambda _: None)
@@ -42,7 +42,7 @@ def _profile(name: str, lab_dir: Path) -> Iterator[lab.LabState]:
 
 @pytest.fixture(scope="session")
 def supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("supercluster", lab_dir)
+    yield from _profile("supercluster", lab_dir, haproxy=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,14 +11,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
+import pydantic
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ferry.errors import FerryError
@@ -802,6 +806,9 @@ def load_cmd(
     msg_id: Annotated[bool, typer.Option(help="NATS: set Nats-Msg-Id on every message.")] = True,
     confirms: Annotated[bool, typer.Option(help="RabbitMQ: publisher confirms.")] = True,
     exchange: Annotated[str | None, typer.Option(help="RabbitMQ: exchange (default: the default exchange).")] = None,
+    url: Annotated[
+        str | None, typer.Option(help="NATS: connect to this URL (e.g. a load balancer), not the topology's brokers.")
+    ] = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -828,6 +835,7 @@ def load_cmd(
         msg_id=msg_id,
         confirms=confirms,
         exchange=exchange,
+        url=url,
     )
 
     def progress(summary: Any, inflight: int) -> None:
@@ -976,6 +984,281 @@ def _utc(epoch_s: int) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%H:%M:%S")
 
 
+# -- evacuate / rebalance / serve -----------------------------------------------------------
+
+node_app = typer.Typer(
+    **_plain, help="Evacuate a node: move its clients and JetStream leaders away at a set rate.", no_args_is_help=True
+)
+cluster_app = typer.Typer(
+    **_plain, help="Rebalance clients and leaders across a cluster's nodes.", no_args_is_help=True
+)
+app.add_typer(node_app, name="node")
+app.add_typer(cluster_app, name="cluster")
+
+NodeClusterOpt = Annotated[str, typer.Option("--cluster", help="The node's cluster (when its name is ambiguous).")]
+WaitHealthOpt = Annotated[
+    float, typer.Option(min=0, help="Seconds for the load balancer to see the node unavailable before evicting.")
+]
+ConnRateOpt = Annotated[int, typer.Option(min=1, help="Connections closed per second (per node).")]
+WaitTakeoverOpt = Annotated[float, typer.Option(min=0, help="Seconds for clients to reconnect before moving sessions.")]
+SessRateOpt = Annotated[int, typer.Option(min=1, help="JetStream leaders/replicas moved per second (per node).")]
+
+
+def _names(value: str | None) -> list[str]:
+    return [n for n in (value or "").replace(",", " ").split() if n]
+
+
+class _Ticker:
+    """Prints operation events on stderr: state changes at once, eviction counts at most once a second."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json, self.last, self.counts = as_json, 0.0, Counter[str]()
+
+    def __call__(self, event: str, **data: Any) -> None:
+        if self.as_json:
+            _json_events(event, **data)
+        elif event == "evicted":
+            self.counts.update({k: data.get(k, 0) for k in ("connections", "sessions", "replicas")})
+            if time.monotonic() - self.last >= 1.0:
+                self.last = time.monotonic()
+                left = f", {data['left']:,} left" if "left" in data else ""
+                done = ", ".join(f"{v:,} {k}" for k, v in self.counts.items() if v)
+                err.print(f"  moved so far: {done}{left}", highlight=False)
+        elif event == "plan":
+            pass
+        else:
+            err.print(f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items()), highlight=False)
+
+
+@node_app.command("evacuate")
+def node_evacuate(
+    node: Annotated[str, typer.Argument(help="The node (broker name in the topology).")],
+    cluster: NodeClusterOpt = "",
+    wait_health_check: WaitHealthOpt = 60.0,
+    conn_evict_rate: ConnRateOpt = 500,
+    wait_takeover: WaitTakeoverOpt = 60.0,
+    sess_evict_rate: SessRateOpt = 500,
+    migrate_to: Annotated[str | None, typer.Option(help="Nodes to move JetStream leaders to (comma list).")] = None,
+    redirect_to: Annotated[str | None, typer.Option(help="MQTT 5 redirection targets (not offered by NATS).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what the node holds; change nothing.")] = False,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Empty a node at a set rate (EMQX's evacuation); resumes a persisted one. Returns once it is prohibiting."""
+    from ferry.ops.rebalance import EvacuateRequest, evacuate
+
+    topo = _topology(topology)
+    req = EvacuateRequest(
+        node=node,
+        cluster=cluster,
+        wait_health_check=wait_health_check,
+        conn_evict_rate=conn_evict_rate,
+        wait_takeover=wait_takeover,
+        sess_evict_rate=sess_evict_rate,
+        migrate_to=_names(migrate_to),
+        redirect_to=_names(redirect_to),
+        dry_run=dry_run,
+    )
+    report = run(evacuate(topo, req, _Ticker(as_json)))
+    if as_json:
+        print_json(report)
+        return
+    _print_evacuation(report)
+
+
+def _print_evacuation(r: dict[str, Any]) -> None:
+    i = r["initial"]
+    rates = r["rates"]
+    out.print(
+        f"{r['node']} ({r['cluster']}): {r.get('outcome', r.get('state'))}; state {r.get('state', '-')}; "
+        f"conn rate {rates['conn_evict_rate']}/s, session rate {rates['sess_evict_rate']}/s, "
+        f"wait health check {rates['wait_health_check']:g}s, wait takeover {rates['wait_takeover']:g}s",
+        highlight=False,
+    )
+    now = r.get("now") or r.get("current") or {}
+    table = Table("", "connections", "mqtt", "sessions (leaders)", "replicas")
+    table.add_row("initial", *(f"{i[k]:,}" for k in ("connections", "mqtt", "sessions", "replicas")))
+    if now:
+        table.add_row("current", *(f"{now.get(k, 0):,}" for k in ("connections", "mqtt", "sessions", "replicas")))
+    ev = r.get("evicted") or {}
+    table.add_row(
+        "moved by ferry",
+        f"{ev.get('connections', 0):,}",
+        "",
+        f"{ev.get('sessions', 0):,}",
+        f"{ev.get('replicas', 0):,}",
+    )
+    out.print(table)
+    out.print(f"recipients: {', '.join(r['recipients'])}", highlight=False)
+    if r.get("kept"):
+        out.print(f"kept on the node (not movable): {', '.join(r['kept'])}", highlight=False)
+    if r.get("outcome") == "evacuated":
+        out.print(f"`ferry node stop {r['node']}` returns it to service; until then `ferry serve` keeps it empty")
+
+
+@node_app.command("status")
+def node_status_cmd(
+    node: Annotated[str | None, typer.Argument(help="One node (default: every evacuation).")] = None,
+    cluster: NodeClusterOpt = "",
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evacuations on record: state, rates, initial and current connections and sessions, recipients."""
+    from ferry.ops.rebalance import node_status
+
+    rows = run(node_status(_topology(topology), node, cluster))
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        out.print("no evacuation is running")
+    for r in rows:
+        _print_evacuation(r)
+        driver = r.get("driven_by")
+        out.print(
+            f"driven by: {driver['host']} pid {driver['pid']}"
+            if driver
+            else "driven by: nobody (ferry serve adopts it)"
+        )
+
+
+@node_app.command("stop")
+def node_stop(
+    node: Annotated[str, typer.Argument()],
+    cluster: NodeClusterOpt = "",
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """End an evacuation: the node returns to service (the health check answers 200 again)."""
+    from ferry.ops.rebalance import stop
+
+    r = run(stop(_topology(topology), cluster, node))
+    if as_json:
+        print_json(r)
+        return
+    out.print(f"evacuation of {node} stopped (was {r.get('state')}); the node is back in service")
+
+
+@cluster_app.command("rebalance")
+def cluster_rebalance(
+    cluster: Annotated[str, typer.Argument(help="The NATS cluster.")],
+    nodes: Annotated[str | None, typer.Option(help="Participating nodes (comma list; default: all).")] = None,
+    abs_conn_threshold: Annotated[
+        float, typer.Option(min=0, help="Balanced if avg(donor) < avg(recipient) + this.")
+    ] = 1000,
+    rel_conn_threshold: Annotated[float, typer.Option(help="... or avg(donor) < avg(recipient) * this (> 1).")] = 1.1,
+    abs_sess_threshold: Annotated[float, typer.Option(min=0, help="The same for JetStream leaders.")] = 1000,
+    rel_sess_threshold: Annotated[float, typer.Option(help="The same for JetStream leaders (> 1).")] = 1.1,
+    wait_health_check: WaitHealthOpt = 60.0,
+    conn_evict_rate: ConnRateOpt = 500,
+    wait_takeover: WaitTakeoverOpt = 60.0,
+    sess_evict_rate: SessRateOpt = 500,
+    execute: Annotated[
+        bool, typer.Option("--execute", help="Carry the proposal out (default: only print it).")
+    ] = False,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Propose moving clients and JetStream leaders from busy nodes to idle ones; --execute carries it out."""
+    from ferry.ops.rebalance import RebalanceRequest, rebalance
+
+    req = RebalanceRequest(
+        cluster=cluster,
+        nodes=_names(nodes),
+        abs_conn_threshold=abs_conn_threshold,
+        rel_conn_threshold=rel_conn_threshold,
+        abs_sess_threshold=abs_sess_threshold,
+        rel_sess_threshold=rel_sess_threshold,
+        wait_health_check=wait_health_check,
+        conn_evict_rate=conn_evict_rate,
+        wait_takeover=wait_takeover,
+        sess_evict_rate=sess_evict_rate,
+        execute=execute,
+    )
+    r = run(rebalance(_topology(topology), req, _Ticker(as_json)))
+    if as_json:
+        print_json(r)
+    else:
+        _print_rebalance(r)
+    if r["outcome"].startswith("aborted"):
+        raise typer.Exit(1)
+
+
+def _print_rebalance(r: dict[str, Any]) -> None:
+    if "proposal" in r:
+        table = Table("node", "role", "connections", "after", "sessions (leaders)", "after")
+        for p in r["proposal"]:
+            table.add_row(
+                p["node"],
+                p["role"],
+                f"{p['connections']:,}",
+                f"{p['connections_after']:,}",
+                f"{p['sessions']:,}",
+                f"{p['sessions_after']:,}",
+            )
+        out.print(table)
+    outcome = r["outcome"]
+    if outcome == "dry-run":
+        out.print("dry run: nothing changed; add --execute to carry it out")
+    elif outcome == "nothing to balance":
+        out.print(f"nothing to balance: {r['cluster']} is within the thresholds")
+    else:
+        ev = r.get("evicted", {})
+        out.print(
+            f"rebalance of {r['cluster']}: {outcome}; moved {ev.get('connections', 0):,} connections, "
+            f"{ev.get('sessions', 0):,} leaders",
+            highlight=False,
+        )
+        for n in r.get("now", []):
+            out.print(f"  {n['node']}: {n['connections']:,} connections, {n['sessions']:,} leaders", highlight=False)
+
+
+@cluster_app.command("stop")
+def cluster_stop(
+    cluster: Annotated[str, typer.Argument()], topology: TopologyOpt = None, as_json: JsonOpt = False
+) -> None:
+    """Stop a running rebalance: its donors return to service."""
+    from ferry.ops.rebalance import stop
+
+    r = run(stop(_topology(topology), cluster, None))
+    if as_json:
+        print_json(r)
+        return
+    out.print(f"rebalance of {cluster} stopped (was {r.get('state')})")
+
+
+@app.command("serve")
+def serve_cmd(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8377,
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the bearer token the mutating endpoints require.")
+    ] = None,
+    topology: TopologyOpt = None,
+) -> None:
+    """HTTP API: availability checks for load balancers, start/stop/inspect evacuations and rebalances.
+
+    Keeps every journaled evacuation and rebalance driven (adopting those whose ferry died).
+    OpenAPI at /openapi.json, docs at /docs.
+    """
+    import uvicorn
+
+    from ferry.api import create_app
+    from ferry.errors import ConfigError
+
+    token = None
+    if token_file:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"--token-file {token_file} is empty")
+    token = token or os.environ.get("FERRY_API_TOKEN") or None
+    app_ = create_app(_topology(topology), token)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
 # -- lab ---------------------------------------------------------------------------------
 
 
@@ -984,14 +1267,36 @@ def lab_up(
     profile: Annotated[str, typer.Argument(help="supercluster | sites | rabbit-dr | rabbit-cluster")],
     dir: DirOpt = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180.0,
+    haproxy: Annotated[
+        bool, typer.Option("--haproxy", help="Put HAProxy (checked through `ferry serve`) in front of NATS clusters.")
+    ] = False,
 ) -> None:
     """Start a profile's servers on 127.0.0.1 and wait until they are healthy."""
     from ferry import lab
 
     t0 = time.perf_counter()
-    state = lab.up(profile, _lab_dir(dir), timeout=timeout, log=lambda m: err.print(m))
+    state = lab.up(profile, _lab_dir(dir), timeout=timeout, log=lambda m: err.print(m), haproxy=haproxy)
     out.print(f"lab {profile}: {len(state.procs)} processes healthy in {time.perf_counter() - t0:.1f}s")
     out.print(f"topology: {lab.lab_root() / 'topology.yaml'}")
+    if state.lb:
+        out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
+        for name, urls in state.lb["clusters"].items():
+            out.print(f"through HAProxy: {name}: {urls['nats']} {urls['mqtt']}")
+
+
+@lab_app.command("haproxy-config")
+def lab_haproxy_config(
+    cluster: Annotated[str, typer.Argument(help="The NATS cluster to front.")],
+    serve: Annotated[str, typer.Option(help="host:port of `ferry serve` (the availability check).")] = "127.0.0.1:8377",
+    nats_bind: Annotated[str, typer.Option(help="Where HAProxy listens for NATS clients.")] = "*:4222",
+    mqtt_bind: Annotated[str, typer.Option(help="Where HAProxy listens for MQTT clients ('' for none).")] = "*:1883",
+    topology: TopologyOpt = None,
+) -> None:
+    """Print an haproxy.cfg for a cluster of the topology: leastconn, node health + ferry's availability check."""
+    from ferry.lab import haproxy
+
+    fronts = haproxy.nats_frontends(cluster, _topology(topology).nats(cluster), nats_bind, mqtt_bind or None)
+    out.print(haproxy.render(fronts, serve, stats_bind="127.0.0.1:8404"), highlight=False, markup=False)
 
 
 @lab_app.command("status")
@@ -1038,8 +1343,13 @@ def main() -> None:
     try:
         app()  # typer reports usage errors itself (exit 2)
     except FerryError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
+    except pydantic.ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(x) for x in e["loc"])
+        err.print(f"[red]error:[/] {where}: {e['msg'].removeprefix('Value error, ')}", highlight=False)
+        sys.exit(2)
     except TimeoutError as exc:
         err.print(f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__})")
         sys.exit(1)

@@ -90,6 +90,7 @@ class LoadOptions:
     retry: bool = True
     confirms: bool = True
     exchange: str | None = None
+    url: str | None = None  # NATS: connect here (e.g. a load balancer) instead of the topology's brokers
     ack_timeout: float = 2.0
     give_up_after: float = 60.0
 
@@ -284,7 +285,10 @@ class _NatsSender(_Sender):
 
     async def open(self) -> None:
         self.nc = await bnats.connect(
-            self.topology.nats(self.cluster), name=self.cluster, client_name=f"ferry-load-{self.opts.run}"
+            self.topology.nats(self.cluster),
+            name=self.cluster,
+            client_name=f"ferry-load-{self.opts.run}",
+            urls=[self.opts.url] if self.opts.url else None,
         )
         if self.js:
             give_up = self.opts.give_up_after if self.opts.retry else self.opts.ack_timeout

@@ -12,6 +12,10 @@ Profiles:
 - ``sites``: two independent NATS deployments nyc and sfo (one server each)
 - ``rabbit-dr``: three independent RabbitMQ nodes art, pc1 and ltm
 - ``rabbit-cluster``: one RabbitMQ cluster ``rabbits`` of three nodes
+
+``up(profile, haproxy=True)`` adds ``ferry serve`` and a real HAProxy in front of
+every NATS cluster's client and MQTT ports, health-checked through
+``/availability_check`` (addresses in ``LabState.lb``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,6 +33,7 @@ import yaml
 from pydantic import BaseModel
 
 from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.lab import haproxy as lab_haproxy
 from ferry.lab import nats as lab_nats
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.procs import Proc, free_ports, port_open, stop_all
@@ -52,6 +58,7 @@ class LabState(BaseModel):
     nats: list[list[dict]] = []  # one list of servers per NATS deployment
     rabbit: list[dict] = []
     procs: list[Proc] = []
+    lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats, mqtt} URLs
 
     @property
     def path(self) -> Path:
@@ -75,6 +82,8 @@ class LabState(BaseModel):
         if self.rabbit:
             password = (self.path / "secrets" / "rabbitmq").read_text().strip()
             out |= lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in self.rabbit], password)
+        if self.lb:
+            out |= _lb_health(self)
         for p in self.procs:
             if p.name in out and not p.alive():
                 out[p.name] = "not running"
@@ -93,12 +102,20 @@ def running_profiles(root: Path | None = None) -> list[LabState]:
     return [s for p in PROFILES if (s := load_state(p, root))]
 
 
-def up(profile: str, root: Path | None = None, timeout: float = 180.0, log: Callable[[str], None] = print) -> LabState:
+def up(
+    profile: str,
+    root: Path | None = None,
+    timeout: float = 180.0,
+    log: Callable[[str], None] = print,
+    haproxy: bool = False,
+) -> LabState:
     """Start a profile (or restart its dead servers) and wait until it is healthy."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
     root = root or lab_root()
     state = load_state(profile, root)
+    if state and haproxy and not state.lb:
+        raise ConfigError(f"lab {profile} is up without HAProxy", hint=f"`ferry lab down {profile}` first")
     if state:
         dead = [p for p in state.procs if not p.alive()]
         if not dead:
@@ -117,12 +134,14 @@ def up(profile: str, root: Path | None = None, timeout: float = 180.0, log: Call
     pdir.chmod(0o755)
     sdir = pdir / "secrets"
     sdir.mkdir(mode=0o700)
-    for name in ("app", "sys", "rabbitmq"):
+    for name in ("app", "sys", "rabbitmq", "api"):
         (sdir / name).write_text(secrets.token_urlsafe(18))
         (sdir / name).chmod(0o600)
     state = LabState(profile=profile, dir=str(pdir))
     topo_sites = _build(profile, state, pdir, lambda n: (sdir / n).read_text())
     (pdir / "topology.yaml").write_text(yaml.safe_dump({"version": 1, "sites": topo_sites}, sort_keys=False))
+    if haproxy:
+        _add_haproxy(state, pdir)
     state.save()
     _write_combined_topology(root)
     try:
@@ -177,6 +196,67 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
                 nodes, cluster, sdir
             )
     return sites
+
+
+def _add_haproxy(state: LabState, pdir: Path) -> None:
+    """`ferry serve` and HAProxy in front of every NATS cluster of the profile."""
+    from ferry.topology import load_topology
+
+    topo = load_topology(pdir / "topology.yaml")
+    clusters = [(n, c) for _, n, c in topo.clusters() if c.kind == "nats"]
+    if not clusters:
+        raise ConfigError(f"lab {state.profile}: HAProxy fronts NATS clusters, and this profile has none")
+    planned = {v for d in state.nats for srv in d for k, v in srv.items() if isinstance(v, int) and k != "index"}
+    serve_port, stats_port, *lb_ports = free_ports(2 + 2 * len(clusters), exclude=planned)
+    frontends, lb = [], {}
+    for i, (name, cluster) in enumerate(clusters):
+        nats_port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
+        frontends += lab_haproxy.nats_frontends(name, cluster, f"127.0.0.1:{nats_port}", f"127.0.0.1:{mqtt_port}")  # type: ignore[arg-type]
+        lb[name] = {"nats": f"nats://127.0.0.1:{nats_port}", "mqtt": f"mqtt://127.0.0.1:{mqtt_port}"}
+    d = pdir / "haproxy"
+    d.mkdir()
+    cfg = d / "haproxy.cfg"
+    cfg.write_text(lab_haproxy.render(frontends, f"127.0.0.1:{serve_port}", stats_bind=f"127.0.0.1:{stats_port}"))
+    token = pdir / "secrets" / "api"
+    state.lb = {
+        "serve": f"http://127.0.0.1:{serve_port}",
+        "stats": f"http://127.0.0.1:{stats_port}/stats",
+        "token_file": str(token),
+        "clusters": lb,
+    }
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "FERRY_TOPOLOGY": str(pdir / "topology.yaml")}
+    serve = [sys.executable, "-c", "from ferry.cli import main; main()", "serve", "--port", str(serve_port)]
+    state.procs += [
+        Proc(
+            name="ferry-serve",
+            kind="ferry",
+            argv=[*serve, "--token-file", str(token)],
+            env=env,
+            cwd=str(d),
+            log=str(d / "serve.log"),
+        ),
+        Proc(
+            name="haproxy",
+            kind="haproxy",
+            argv=[lab_haproxy.haproxy_binary(), "-f", str(cfg), "-db"],
+            env={"PATH": "/usr/bin:/bin:/usr/sbin"},
+            cwd=str(d),
+            log=str(d / "haproxy.log"),
+        ),
+    ]
+
+
+def _lb_health(state: LabState) -> dict[str, str]:
+    import httpx
+
+    try:
+        hz = httpx.get(state.lb["serve"] + "/healthz", timeout=2).json()
+        read = set(hz.get("journals_read", []))
+        serve = "ok" if read >= set(state.lb["clusters"]) else "journals not read yet"
+    except (httpx.HTTPError, ValueError) as exc:
+        serve = f"not answering ({type(exc).__name__})"
+    stats_port = int(state.lb["stats"].split(":")[2].split("/")[0])
+    return {"ferry-serve": serve, "haproxy": "ok" if port_open(stats_port) else "stats port closed"}
 
 
 def _wait_port(port: int, proc: Proc, timeout: float) -> None:

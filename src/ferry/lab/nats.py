@@ -96,6 +96,8 @@ def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path
             "name": server.cluster,
             "listen": f"127.0.0.1:{server.route}",
             "routes": [f"nats-route://127.0.0.1:{p.route}" for p in peers if p is not server],
+            # clients learn no server addresses: they reconnect through what they were given (HAProxy)
+            "no_advertise": True,
         }
     if len(clusters) > 1:
         conf["gateway"] = {

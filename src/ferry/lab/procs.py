@@ -124,12 +124,13 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def free_ports(n: int) -> list[int]:
+def free_ports(n: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """n distinct free TCP ports on 127.0.0.1, below the kernel's ephemeral range.
 
     Ports from bind(0) come from the ephemeral range, where an outgoing connection
     (a route or gateway dialling out while the lab starts) can take a port before
-    the server meant to listen on it is up. Ports are held open together so none repeats.
+    the server meant to listen on it is up. Ports are held open together so none repeats;
+    `exclude` holds ports already planned for servers not started yet.
     """
     low, high = 20000, _ephemeral_low()
     rng = random.SystemRandom()
@@ -137,7 +138,7 @@ def free_ports(n: int) -> list[int]:
         ports: list[int] = []
         while len(ports) < n:
             port = rng.randrange(low, high)
-            if port in ports:
+            if port in ports or port in exclude:
                 continue
             s = stack.enter_context(socket.socket())
             try:

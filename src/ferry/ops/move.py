@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import time
 import uuid
 from bisect import bisect_left, bisect_right
@@ -62,6 +61,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
+from ferry.ops.journal import BUCKET, Journal, owner_alive
 from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Publisher
 from ferry.topology import NatsCluster
 
@@ -77,8 +77,6 @@ __all__ = [
 ]
 
 REINJECTED = "Ferry-Reinjected"
-BUCKET = "ferry_ops"
-STALE_AFTER = 10.0  # seconds without a heartbeat before another ferry may take a move over
 CAPTURE_SCHEMA = pa.schema(
     [
         ("recv_ns", pa.int64()),
@@ -461,68 +459,6 @@ def measured_window(captured: pa.Table, stored: list[tuple[str, int]], first: di
     return unavailable_window(recv, [ts for _, ts in stored], offset)
 
 
-# -- journal ---------------------------------------------------------------------------------------
-
-
-class Journal:
-    """A move's state in the KV bucket ``ferry_ops``, owned by one live ferry at a time."""
-
-    def __init__(self, nc: Client, stream: str) -> None:
-        self.js = nc.jetstream()
-        self.key = f"move.{stream}"
-        self.kv: Any = None
-        self.revision = 0
-        self.state: dict[str, Any] = {}
-
-    async def open(self, replicas: int) -> dict[str, Any] | None:
-        from nats.js.api import KeyValueConfig
-        from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-
-        try:
-            self.kv = await self.js.key_value(BUCKET)
-        except BucketNotFoundError:
-            self.kv = await self.js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5, replicas=replicas))
-        try:
-            entry = await self.kv.get(self.key)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        self.revision = entry.revision
-        return json.loads(entry.value)
-
-    @staticmethod
-    def owner() -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid()}
-
-    @staticmethod
-    def owner_alive(state: dict[str, Any]) -> bool:
-        o = state.get("owner") or {}
-        if time.time() - state.get("heartbeat", 0) > STALE_AFTER:
-            return False
-        if o.get("host") == socket.gethostname():
-            try:
-                os.kill(int(o["pid"]), 0)
-            except (ProcessLookupError, ValueError, KeyError):
-                return False
-            except PermissionError:
-                return True
-        return True
-
-    async def save(self, **changes: Any) -> None:
-        from nats.js.errors import KeyWrongLastSequenceError
-
-        self.state.update(changes, owner=self.owner(), heartbeat=time.time())
-        data = json.dumps(self.state).encode()
-        try:
-            if self.revision:
-                self.revision = await self.kv.update(self.key, data, last=self.revision)
-            else:
-                self.revision = await self.kv.create(self.key, data)
-        except KeyWrongLastSequenceError:
-            raise Conflict(f"move of {self.state.get('stream')} was taken over by another ferry") from None
-
-
 # -- the move ----------------------------------------------------------------------------------------
 
 
@@ -665,13 +601,13 @@ async def move(
         bnats.session(cluster, system=True, client_name="ferry-move-sys") as sysnc,
     ):
         await _led_stream_info(nc, req.stream)  # a leaderless stream is refused before the journal is touched
-        journal = Journal(nc, req.stream)
+        journal = Journal(nc, f"move.{req.stream}")
         try:
             prior = await journal.open(replicas=min(3, len(cluster.brokers)))
         except (NatsTimeout, TimeoutError):
             raise BrokerUnavailable(f"the journal bucket {BUCKET} did not answer; JetStream unavailable?") from None
         resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))
-        if resuming and Journal.owner_alive(prior or {}):
+        if resuming and journal.owner_alive(prior or {}):
             o = (prior or {}).get("owner", {})
             raise Conflict(
                 f"a move of {req.stream!r} is already running (pid {o.get('pid')} on {o.get('host')}, "
@@ -922,7 +858,8 @@ async def status(cluster: NatsCluster, stream: str) -> dict[str, Any]:
             raise NotFound(f"no move of {stream!r} on record") from None
     state = json.loads(entry.value or b"{}")
     state.pop("pre", None)
-    state["owner_alive"] = Journal.owner_alive(state) if state.get("phase") not in ("done", "cancelled") else False
+    live = state.get("phase") not in ("done", "cancelled")
+    state["owner_alive"] = live and owner_alive(state)
     return state
 
 

@@ -1,0 +1,95 @@
+"""HAProxy in front of a cluster's client ports, asking `ferry serve` which nodes may take new clients.
+
+Each server is checked in two steps (both must pass): the node's own health
+(NATS: ``GET /healthz`` on its monitoring port) and ferry's
+``GET /availability_check?node=<server name>`` — 503 while the node is evacuated
+or a rebalance donor. Server names must be the topology's node names.
+``balance leastconn`` sends reconnecting clients to the emptiest node, and the
+long client/server timeouts keep idle NATS and MQTT connections open.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from ferry.errors import ConfigError
+from ferry.topology import NatsCluster
+
+
+@dataclass
+class Frontend:
+    name: str  # e.g. nats_east
+    bind: str  # host:port
+    servers: list[tuple[str, str, int]]  # node name, client host:port, monitor port
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or (shutil.which("haproxy", path="/usr/sbin:/sbin"))
+    if not found:
+        raise ConfigError("haproxy not found", hint="apt-get install haproxy, or run `make setup`")
+    return found
+
+
+def nats_frontends(name: str, cluster: NatsCluster, nats_bind: str, mqtt_bind: str | None) -> list[Frontend]:
+    """The NATS (and MQTT) frontends of one cluster from its topology entry."""
+
+    def hostport(url: str) -> str:
+        u = urlsplit(url)
+        return f"{u.hostname}:{u.port}"
+
+    def monitor_port(url: str | None) -> int:
+        if not url:
+            raise ConfigError(f"cluster {name!r}: every broker needs a monitor_url for HAProxy's health check")
+        return urlsplit(url).port or 8222
+
+    out = [
+        Frontend(
+            f"nats_{name}", nats_bind, [(b.name, hostport(b.url), monitor_port(b.monitor_url)) for b in cluster.brokers]
+        )
+    ]
+    if mqtt_bind:
+        mqtt = [(b.name, hostport(b.mqtt_url), monitor_port(b.monitor_url)) for b in cluster.brokers if b.mqtt_url]  # type: ignore[arg-type]
+        if mqtt:
+            out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt))
+    return out
+
+
+def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None) -> str:
+    """An haproxy.cfg: one `listen` per frontend, health-checked through `serve` (host:port)."""
+    serve_host, serve_port = serve.rsplit(":", 1)
+    lines = [
+        "global",
+        "  maxconn 8000",  # two file descriptors per proxied connection
+        "",
+        "defaults",
+        "  mode tcp",
+        "  timeout connect 5s",
+        "  timeout client 60m",
+        "  timeout server 60m",
+        "  default-server inter 1s fall 2 rise 2",
+        "",
+    ]
+    if stats_bind:
+        lines += ["listen stats", f"  bind {stats_bind}", "  mode http", "  stats enable", "  stats uri /stats", ""]
+    for f in frontends:
+        lines += [
+            f"listen {f.name}",
+            f"  bind {f.bind}",
+            "  balance leastconn",
+            "  option httpchk",
+            "  # 1. the node itself is healthy",
+            "  http-check connect",
+            "  http-check send meth GET uri /healthz",
+            "  http-check expect status 200",
+            "  # 2. ferry says it may take new clients (503 while evacuated or a rebalance donor)",
+            f"  http-check connect addr {serve_host} port {serve_port}",
+            "  http-check send meth GET uri-lf /availability_check?node=%[srv_name]",
+            "  http-check expect status 200",
+        ]
+        for node, addr, monitor in f.servers:
+            host = addr.rsplit(":", 1)[0]
+            lines.append(f"  server {node} {addr} check addr {host} port {monitor}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,810 @@
+"""`ferry node evacuate` and `ferry cluster rebalance`: move clients and leaders off
+NATS servers at a controlled rate, the way EMQX's ``emqx_node_rebalance`` does.
+
+**Evacuation** of one node runs through EMQX's states:
+
+1. ``waiting_health_check`` — ``ferry serve``'s ``/availability_check`` answers
+   503 for the node, so the load balancer stops sending it new clients, but the
+   node still serves the ones it has (``--wait-health-check`` seconds);
+2. ``evicting_conns`` — client connections (NATS and MQTT) are closed with the
+   system account's ``$SYS.REQ.SERVER.<id>.KICK`` at ``--conn-evict-rate`` per
+   second until the node holds none; clients reconnect through the balancer;
+3. ``waiting_takeover`` — ``--wait-takeover`` seconds for them to resume
+   their sessions elsewhere;
+4. ``evicting_sessions`` — at ``--sess-evict-rate`` per second: JetStream
+   stream and consumer leaders on the node step down (towards ``--migrate-to``
+   when given), and stream replicas move off it with a peer-remove where the
+   cluster has a spare server. MQTT persistent sessions live in JetStream
+   (``$MQTT_*`` streams and their consumers), so they follow;
+5. ``prohibiting`` — until ``ferry node stop``: new connections are kicked and
+   leaders that return are stepped down again.
+
+**Rebalance** of a cluster: donors are the nodes above the average connection
+count, recipients the rest. Donors answer 503 while it runs; after the health
+check wait each donor above the recipients' average loses ``--conn-evict-rate``
+connections per second until ``avg(donor) < avg(recipient) + abs`` or
+``avg(donor) < avg(recipient) * rel``; then JetStream leaders are balanced the
+same way (donors and recipients by leader count). It is a dry run (a proposal)
+unless ``--execute``. If a participating node stops answering, it aborts.
+
+State lives in the cluster's own KV bucket ``ferry_ops`` (``evacuation.<cluster>.<node>``,
+``rebalance.<cluster>``), so a restarted ferry — or ``ferry serve`` on another
+machine — resumes in the same state with the same rates. ferry's control
+connections are named ``ferry-ctl-*``, connect to the nodes being emptied last,
+and are never evicted.
+
+Limits: NATS has no server redirection (MQTT 3.1.1, NATS protocol), so where
+clients reconnect is the balancer's choice; ``--migrate-to`` steers JetStream
+leaders only. Leaders in accounts the topology has no credentials for are
+reported as kept, as are R1 streams and replicas with no spare server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from pydantic import BaseModel, Field, field_validator
+
+from ferry.brokers import nats as bnats
+from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.ops import Emit, no_emit
+from ferry.ops.journal import Journal, bucket, owner_alive
+from ferry.topology import NatsCluster, Topology
+
+__all__ = [
+    "STATES",
+    "EvacuateRequest",
+    "RebalanceRequest",
+    "evacuate",
+    "node_status",
+    "propose",
+    "rebalance",
+    "stop",
+    "unavailable",
+    "within",
+]
+
+STATES = ("waiting_health_check", "evicting_conns", "waiting_takeover", "evicting_sessions", "prohibiting")
+CONTROL = "ferry-ctl"  # connection-name prefix of ferry's own control connections: never evicted
+TICK = 0.1  # seconds between eviction steps
+STALE_AFTER = 5.0  # seconds without a heartbeat before another ferry adopts an operation
+RETRY_AFTER = 5.0  # seconds before an evicted connection or moved leader still there is tried again
+
+
+# -- balance condition and proposal (pure) ---------------------------------------------------------
+
+
+def avg(values: list[int] | list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def within(donor_avg: float, recipient_avg: float, abs_threshold: float, rel_threshold: float) -> bool:
+    """EMQX's balance condition."""
+    return donor_avg < recipient_avg + abs_threshold or donor_avg < recipient_avg * rel_threshold
+
+
+def split(counts: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Donors (above the average) and recipients (the rest)."""
+    mean = avg(list(counts.values()))
+    donors = [n for n, c in counts.items() if c > mean]
+    return donors, [n for n in counts if n not in donors]
+
+
+def propose(counts: dict[str, int], abs_threshold: float, rel_threshold: float) -> dict[str, int] | None:
+    """The counts after a rebalance (moving one at a time from the fullest donor to the
+    emptiest recipient until balanced), or None when already balanced."""
+    donors, recipients = split(counts)
+    after = dict(counts)
+
+    def balanced() -> bool:
+        return within(
+            avg([after[d] for d in donors]), avg([after[r] for r in recipients]), abs_threshold, rel_threshold
+        )
+
+    if not donors or not recipients or balanced():
+        return None
+    while not balanced():
+        d, r = max(donors, key=after.__getitem__), min(recipients, key=after.__getitem__)
+        if after[d] <= after[r] + 1:
+            break
+        after[d] -= 1
+        after[r] += 1
+    return after
+
+
+class Pacer:
+    """At most `rate` actions per second since `start`, the first one at once."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.t0, self.done = rate, time.monotonic(), 0
+
+    def take(self, wanted: int) -> int:
+        allowed = 1 + int(self.rate * (time.monotonic() - self.t0)) - self.done
+        n = max(0, min(wanted, allowed))
+        self.done += n
+        return n
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+class Rates(BaseModel):
+    wait_health_check: float = Field(60.0, ge=0)
+    conn_evict_rate: int = Field(500, gt=0)
+    wait_takeover: float = Field(60.0, ge=0)
+    sess_evict_rate: int = Field(500, gt=0)
+
+
+class EvacuateRequest(Rates):
+    node: str
+    cluster: str = ""
+    migrate_to: list[str] = []
+    redirect_to: list[str] = []
+    dry_run: bool = False
+
+    @field_validator("redirect_to")
+    @classmethod
+    def _no_redirect(cls, v: list[str]) -> list[str]:
+        if v:
+            raise ValueError(
+                "--redirect-to needs MQTT 5 server redirection, which neither NATS nor RabbitMQ 3.10 offers; "
+                "clients reconnect through the load balancer"
+            )
+        return v
+
+
+class RebalanceRequest(Rates):
+    cluster: str
+    nodes: list[str] = []
+    abs_conn_threshold: float = Field(1000, ge=0)
+    rel_conn_threshold: float = 1.1
+    abs_sess_threshold: float = Field(1000, ge=0)
+    rel_sess_threshold: float = 1.1
+    execute: bool = False
+
+    @field_validator("rel_conn_threshold", "rel_sess_threshold")
+    @classmethod
+    def _above_one(cls, v: float) -> float:
+        if v <= 1:
+            raise ValueError(f"relative threshold must be > 1 (got {v})")
+        return v
+
+
+# -- what a NATS node holds, and how to move it --------------------------------------------------------
+
+
+@dataclass
+class Asset:
+    """A JetStream stream or consumer (a Raft group) as one server sees it."""
+
+    account: str
+    stream: str
+    consumer: str | None
+    leader: str
+    peers: list[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.account}/{self.stream}" + (f"/{self.consumer}" if self.consumer else "")
+
+
+@dataclass
+class NodeView:
+    name: str
+    up: bool = False
+    error: str = ""
+    server_id: str = ""
+    conns: list[dict] = field(default_factory=list)
+    assets: list[Asset] = field(default_factory=list)
+
+    @property
+    def leaders(self) -> list[Asset]:
+        return [a for a in self.assets if a.leader == self.name]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "node": self.name,
+            "up": self.up,
+            "connections": len(self.conns),
+            "mqtt": sum(1 for c in self.conns if c.get("mqtt_client")),
+            "sessions": len(self.leaders),
+            "replicas": len(self.assets) - len(self.leaders),
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+class NatsNodes:
+    """Counts and moves for the servers of one NATS cluster, through its monitoring
+    endpoints (connz, jsz), the system account (KICK) and the JetStream API."""
+
+    def __init__(self, name: str, cluster: NatsCluster, avoid: list[str]) -> None:
+        self.name, self.cluster = name, cluster
+        self.brokers = {b.name: b for b in cluster.brokers}
+        self.avoid = avoid
+        self.nc: Client | None = None
+        self.sysnc: Client | None = None
+        self.account = ""
+
+    async def __aenter__(self) -> NatsNodes:
+        # nodes being emptied go last: ferry's own connections should not sit there
+        urls = [b.url for b in self.cluster.brokers if b.name not in self.avoid] + [
+            b.url for b in self.cluster.brokers if b.name in self.avoid
+        ]
+        opts = {"name": self.name, "urls": urls, "dont_randomize": True}
+        self.nc = await bnats.connect(self.cluster, client_name=f"{CONTROL}-{self.name}", **opts)
+        try:
+            self.sysnc = await bnats.connect(
+                self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
+            )
+            info = await bnats.sys_request(self.nc, "$SYS.REQ.USER.INFO", timeout=5)
+            self.account = ((info.get("data") or {}).get("account")) or ""
+        except BaseException:
+            await self.nc.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in (self.nc, self.sysnc):
+            if c:
+                with contextlib.suppress(Exception):
+                    await c.close()
+
+    def check(self, names: list[str], what: str) -> None:
+        unknown = [n for n in names if n not in self.brokers]
+        if unknown:
+            raise NotFound(
+                f"{what}: no node {', '.join(unknown)} in cluster {self.name!r} (has {', '.join(self.brokers)})"
+            )
+
+    async def view(self, node: str, jetstream: bool = True) -> NodeView:
+        b = self.brokers[node]
+        v = NodeView(node)
+        if not b.monitor_url:
+            v.error = "no monitor_url in the topology"
+            return v
+        try:
+            connz = await bnats.monitor_get(b.monitor_url, "connz", timeout=3, auth="true", limit=1_000_000)
+            jsz = (
+                await bnats.monitor_get(
+                    b.monitor_url, "jsz", timeout=3, accounts="true", streams="true", consumers="true", config="false"
+                )
+                if jetstream
+                else {}
+            )
+        except Exception as exc:  # any failure means the node is not answering
+            v.error = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
+            return v
+        v.up, v.server_id = True, connz.get("server_id", "")
+        v.conns = [c for c in connz.get("connections") or [] if not str(c.get("name", "")).startswith(CONTROL)]
+        for acc in jsz.get("account_details") or []:
+            for s in acc.get("stream_detail") or []:
+                cl = s.get("cluster") or {}
+                peers = [cl.get("leader", "")] + [r["name"] for r in cl.get("replicas") or []]
+                v.assets.append(Asset(acc["name"], s["name"], None, cl.get("leader", ""), [p for p in peers if p]))
+                for c in s.get("consumer_detail") or []:
+                    ccl = c.get("cluster") or {}
+                    cpeers = [ccl.get("leader", "")] + [r["name"] for r in ccl.get("replicas") or []]
+                    v.assets.append(
+                        Asset(acc["name"], s["name"], c["name"], ccl.get("leader", ""), [p for p in cpeers if p])
+                    )
+        return v
+
+    async def views(self, nodes: list[str], jetstream: bool = True) -> dict[str, NodeView]:
+        got = await asyncio.gather(*(self.view(n, jetstream) for n in nodes))
+        return {v.name: v for v in got}
+
+    async def kick(self, view: NodeView, cid: int) -> bool:
+        assert self.sysnc
+        try:
+            r = await bnats.sys_request(self.sysnc, f"$SYS.REQ.SERVER.{view.server_id}.KICK", {"cid": cid}, timeout=2)
+        except BrokerUnavailable:
+            return False
+        return not r.get("error")
+
+    def movable(self, a: Asset) -> bool:
+        return a.account == self.account and len(a.peers) > 1
+
+    async def step_down(self, a: Asset, preferred: str | None) -> str:
+        """Ask the group's leader to hand over (to `preferred` when given); '' or the error."""
+        assert self.nc
+        subject = (
+            f"$JS.API.CONSUMER.LEADER.STEPDOWN.{a.stream}.{a.consumer}"
+            if a.consumer
+            else f"$JS.API.STREAM.LEADER.STEPDOWN.{a.stream}"
+        )
+        body = {"placement": {"preferred": preferred}} if preferred else b""
+        try:
+            r = await bnats.sys_request(self.nc, subject, body, timeout=3)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+    async def peer_remove(self, a: Asset, node: str) -> str:
+        assert self.nc
+        try:
+            r = await bnats.sys_request(self.nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+
+def _resolve(topo: Topology, node: str, cluster: str) -> tuple[str, NatsCluster]:
+    if cluster:
+        c = topo.nats(cluster)
+        return cluster, c
+    found = [
+        (n, c) for _, n, c in topo.clusters() if isinstance(c, NatsCluster) and node in {b.name for b in c.brokers}
+    ]
+    if not found:
+        raise NotFound(f"no NATS node {node!r} in the topology")
+    if len(found) > 1:
+        raise UsageError(f"node {node!r} is in clusters {', '.join(n for n, _ in found)}; say which with --cluster")
+    return found[0]
+
+
+def evacuation_key(cluster: str, node: str) -> str:
+    return f"evacuation.{cluster}.{node}"
+
+
+def rebalance_key(cluster: str) -> str:
+    return f"rebalance.{cluster}"
+
+
+def unavailable(states: dict[str, dict[str, Any]], cluster: str, node: str) -> str:
+    """Why the load balancer should not send `node` new clients ('' if it may)."""
+    if st := states.get(evacuation_key(cluster, node)):
+        return f"being evacuated ({st.get('state')})"
+    st = states.get(rebalance_key(cluster))
+    if st and node in st.get("donors", []):
+        return f"donor in a rebalance ({st.get('state')})"
+    return ""
+
+
+# -- the state machine shared by both operations ------------------------------------------------------
+
+
+class _Driver:
+    """Runs an operation's states, saving the journal at least every second (the heartbeat)."""
+
+    def __init__(self, nodes: NatsNodes, journal: Journal, emit: Emit, stop: asyncio.Event | None) -> None:
+        self.nodes, self.journal, self.emit = nodes, journal, emit
+        self.stop = stop or asyncio.Event()
+        self.saved = 0.0
+        self.tried: dict[str, float] = {}  # cid or asset label -> when last acted on
+
+    @property
+    def st(self) -> dict[str, Any]:
+        return self.journal.state
+
+    async def save(self, force: bool = False, **changes: Any) -> None:
+        if force or changes or time.monotonic() - self.saved >= 1.0:
+            await self.journal.save(**changes)
+            self.saved = time.monotonic()
+
+    async def enter(self, state: str, **extra: Any) -> None:
+        await self.save(state=state, since=time.time(), **extra)
+        self.emit("state", state=state, **extra)
+
+    def fresh(self, key: str) -> bool:
+        """Not acted on within RETRY_AFTER seconds (then mark it acted on)."""
+        now = time.monotonic()
+        if now - self.tried.get(key, -RETRY_AFTER) < RETRY_AFTER:
+            return False
+        self.tried[key] = now
+        return True
+
+    async def wait_until(self, deadline: float) -> None:
+        while time.time() < deadline and not self.stop.is_set():
+            await self.save()
+            await asyncio.sleep(min(TICK * 5, max(0.0, deadline - time.time())))
+
+    async def evict_conns(self, view: NodeView, pacer: Pacer, limit: int | None = None) -> int:
+        todo = [c["cid"] for c in view.conns if self.fresh(f"cid:{view.name}:{c['cid']}")]
+        n = pacer.take(len(todo) if limit is None else min(len(todo), limit))
+        for cid in todo[n:]:
+            self.tried.pop(f"cid:{view.name}:{cid}")
+        kicked = sum(await asyncio.gather(*(self.nodes.kick(view, cid) for cid in todo[:n])))
+        return kicked
+
+    async def evict_leaders(
+        self, view: NodeView, pacer: Pacer, targets: list[str], load: dict[str, int], limit: int | None = None
+    ) -> tuple[int, list[str]]:
+        """Step down movable leaders on the node, each towards the target peer with the fewest leaders."""
+        kept = [a.label for a in view.leaders if not self.nodes.movable(a)]
+        todo = [a for a in view.leaders if self.nodes.movable(a) and self.fresh(f"lead:{a.label}")]
+        n = pacer.take(len(todo) if limit is None else min(len(todo), limit))
+        for a in todo[n:]:
+            self.tried.pop(f"lead:{a.label}")
+        moved = 0
+        for a in todo[:n]:
+            options = [p for p in a.peers if p in targets and p != view.name]
+            preferred = min(options, key=lambda p: load.get(p, 0)) if options else None
+            err = await self.nodes.step_down(a, preferred)
+            if err and preferred:  # the preferred peer may be behind: let the group choose
+                err = await self.nodes.step_down(a, None)
+            if not err:
+                moved += 1
+                if preferred:
+                    load[preferred] = load.get(preferred, 0) + 1
+            else:
+                self.emit("warning", message=f"{a.label}: step-down refused: {err}")
+        return moved, kept
+
+
+# -- evacuation ------------------------------------------------------------------------------------------
+
+
+async def evacuate(
+    topo: Topology, req: EvacuateRequest, emit: Emit = no_emit, stop: asyncio.Event | None = None, hold: bool = False
+) -> dict[str, Any]:
+    """Start or resume the evacuation of `req.node`; returns once it is prohibiting
+    (or, with `hold`, once stopped). Raises having changed nothing when refused."""
+    cname, cluster = _resolve(topo, req.node, req.cluster)
+    async with NatsNodes(cname, cluster, avoid=[req.node]) as nodes:
+        nodes.check([req.node], "node")
+        nodes.check(req.migrate_to, "--migrate-to")
+        if req.node in req.migrate_to:
+            raise UsageError(f"--migrate-to cannot include the node being evacuated ({req.node})")
+        journal = Journal(nodes.nc, evacuation_key(cname, req.node), stale_after=STALE_AFTER)  # type: ignore[arg-type]
+        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+        if prior and journal.owner_alive(prior):
+            o = prior.get("owner") or {}
+            raise Conflict(
+                f"an evacuation of {req.node} is already running (state {prior.get('state')}, "
+                f"pid {o.get('pid')} on {o.get('host')}); `ferry node status {req.node}`"
+            )
+        if prior:
+            journal.state = prior
+            emit("resume", state=prior["state"], rates=prior["rates"])
+        else:
+            plan = await _evacuation_plan(topo, nodes, journal, cname, req)
+            emit("plan", **plan)
+            if req.dry_run:
+                return {**plan, "outcome": "dry-run"}
+            journal.state = {"kind": "evacuation", **plan, "state": STATES[0], "since": time.time()}
+            await journal.save()
+            emit("state", state=STATES[0])
+        return await _run_evacuation(_Driver(nodes, journal, emit, stop), hold)
+
+
+async def _evacuation_plan(
+    topo: Topology, nodes: NatsNodes, journal: Journal, cname: str, req: EvacuateRequest
+) -> dict[str, Any]:
+    others = [n for n in nodes.brokers if n != req.node]
+    rb = await _get(journal.kv, rebalance_key(cname))
+    if rb and req.node in rb.get("nodes", []):
+        raise Conflict(f"a rebalance of cluster {cname!r} involving {req.node} is running; stop it first")
+    views = await nodes.views([req.node, *others])
+    if not views[req.node].up:
+        raise PreflightFailed(f"node {req.node} is not answering ({views[req.node].error})")
+    up = [n for n in others if views[n].up]
+    recipients = [n for n in (req.migrate_to or others) if n in up]
+    if not recipients:
+        raise PreflightFailed(f"no other node of cluster {cname!r} is up to take {req.node}'s clients")
+    v = views[req.node]
+    return {
+        "cluster": cname,
+        "node": req.node,
+        "rates": req.model_dump(include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate"}),
+        "migrate_to": req.migrate_to,
+        "recipients": recipients,
+        "initial": v.summary(),
+        "evicted": {"connections": 0, "sessions": 0, "replicas": 0},
+    }
+
+
+async def _run_evacuation(d: _Driver, hold: bool) -> dict[str, Any]:
+    st, node, nodes = d.st, d.st["node"], d.nodes
+    rates = st["rates"]
+    conn_pacer, sess_pacer = Pacer(rates["conn_evict_rate"]), Pacer(rates["sess_evict_rate"])
+    try:
+        while not d.stop.is_set():
+            state = st["state"]
+            if state == "waiting_health_check":
+                await d.wait_until(st["since"] + rates["wait_health_check"])
+                if not d.stop.is_set():
+                    conn_pacer = Pacer(rates["conn_evict_rate"])
+                    await d.enter("evicting_conns")
+            elif state == "evicting_conns":
+                v = await nodes.view(node, jetstream=False)
+                if v.up and v.conns:
+                    n = await d.evict_conns(v, conn_pacer)
+                    if n:
+                        st["evicted"]["connections"] += n
+                        d.emit("evicted", connections=n, left=len(v.conns) - n)
+                    await d.save()
+                    await asyncio.sleep(TICK)
+                else:
+                    await d.enter("waiting_takeover")
+            elif state == "waiting_takeover":
+                await d.wait_until(st["since"] + rates["wait_takeover"])
+                if not d.stop.is_set():
+                    sess_pacer = Pacer(rates["sess_evict_rate"])
+                    await d.enter("evicting_sessions")
+            elif state == "evicting_sessions":
+                if await _evict_sessions(d, sess_pacer):
+                    await d.enter("prohibiting")
+                    if not hold:
+                        await d.journal.save(release=True)
+                        break
+                await d.save()
+                await asyncio.sleep(TICK)
+            else:  # prohibiting: whatever comes back is moved off again
+                v = await nodes.view(node)
+                if v.up:
+                    n = await d.evict_conns(v, conn_pacer)
+                    moved, _ = await d.evict_leaders(v, sess_pacer, st["recipients"], {})
+                    if n or moved:
+                        st["evicted"]["connections"] += n
+                        st["evicted"]["sessions"] += moved
+                        d.emit("evicted", connections=n, sessions=moved, prohibiting=True)
+                await d.save()
+                await asyncio.sleep(TICK * 5)
+    except Conflict:
+        if not await _get(d.journal.kv, d.journal.key):
+            return {**_public(st), "outcome": "stopped"}
+        raise
+    if d.stop.is_set():
+        with contextlib.suppress(Conflict):
+            await d.journal.save(release=True)
+        return {**_public(st), "outcome": "detached"}
+    v = await nodes.view(node)
+    return {**_public(st), "outcome": "evacuated", "now": v.summary()}
+
+
+async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
+    """One step of session eviction; True when nothing movable is left on the node."""
+    st, node, nodes = d.st, d.st["node"], d.nodes
+    v = await nodes.view(node)
+    if not v.up:
+        return False  # the node restarted: wait for it, its leaders may come back
+    views = await nodes.views(st["recipients"])
+    load = {n: len(x.leaders) for n, x in views.items()}
+    moved, kept = await d.evict_leaders(v, pacer, st["recipients"], load)
+    spare = [n for n, x in views.items() if x.up]
+    replicas = [
+        a
+        for a in v.assets
+        if a.consumer is None and a.leader != node and nodes.movable(a) and set(spare) - set(a.peers)
+    ]
+    removed = 0
+    for a in replicas[: pacer.take(len(replicas))]:
+        if not d.fresh(f"peer:{a.label}"):
+            continue
+        err = await nodes.peer_remove(a, node)
+        if err:
+            d.emit("warning", message=f"{a.label}: peer-remove refused: {err}")
+        else:
+            removed += 1
+    if moved or removed:
+        st["evicted"]["sessions"] += moved
+        st["evicted"]["replicas"] += removed
+        d.emit("evicted", sessions=moved, replicas=removed, left=len(v.leaders) - moved)
+    pending = [a for a in v.leaders if nodes.movable(a)] + replicas
+    st["kept"] = kept + [a.label for a in v.assets if a.consumer is None and a.leader != node and a not in replicas]
+    return not pending
+
+
+def _public(st: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in st.items() if k not in ("owner", "heartbeat")}
+
+
+async def _get(kv: Any, key: str) -> dict[str, Any] | None:
+    from nats.js.errors import KeyNotFoundError
+
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    return json.loads(entry.value) if entry.value else None
+
+
+# -- rebalance -----------------------------------------------------------------------------------------
+
+
+async def rebalance(
+    topo: Topology, req: RebalanceRequest, emit: Emit = no_emit, stop: asyncio.Event | None = None
+) -> dict[str, Any]:
+    """Propose (and with `execute`, carry out) a rebalance of `req.cluster`."""
+    cluster = topo.nats(req.cluster)
+    names = req.nodes or [b.name for b in cluster.brokers]
+    if len(names) < 2:
+        raise UsageError("a rebalance needs at least two nodes")
+    async with NatsNodes(req.cluster, cluster, avoid=[]) as nodes:
+        nodes.check(names, "--nodes")
+        journal = Journal(nodes.nc, rebalance_key(req.cluster), stale_after=STALE_AFTER)  # type: ignore[arg-type]
+        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+        if prior and journal.owner_alive(prior):
+            o = prior.get("owner") or {}
+            raise Conflict(
+                f"a rebalance of {req.cluster} is already running (state {prior.get('state')}, "
+                f"pid {o.get('pid')} on {o.get('host')})"
+            )
+        if prior:
+            journal.state = prior
+            emit("resume", state=prior["state"])
+        else:
+            plan = await _rebalance_plan(nodes, journal, req, names)
+            emit("plan", **plan)
+            if not req.execute or plan["outcome"] == "nothing to balance":
+                return {**plan, "outcome": plan["outcome"] if plan["outcome"] != "proposal" else "dry-run"}
+            first = STATES[0] if plan["donors"] else "evicting_sessions"  # no client moves: no health check wait
+            journal.state = {"kind": "rebalance", **plan, "state": first, "since": time.time()}
+            await journal.save()
+            emit("state", state=first)
+        return await _run_rebalance(_Driver(nodes, journal, emit, stop))
+
+
+async def _rebalance_plan(
+    nodes: NatsNodes, journal: Journal, req: RebalanceRequest, names: list[str]
+) -> dict[str, Any]:
+    for name in names:
+        ev = await _get(journal.kv, evacuation_key(req.cluster, name))
+        if ev:
+            raise Conflict(f"node {name} is being evacuated ({ev.get('state')}); stop that first")
+    views = await nodes.views(names)
+    down = [n for n, v in views.items() if not v.up]
+    if down:
+        raise PreflightFailed(f"node {', '.join(down)} not answering ({views[down[0]].error})")
+    conns = {n: len(v.conns) for n, v in views.items()}
+    sess = {n: len(v.leaders) for n, v in views.items()}
+    conn_after = propose(conns, req.abs_conn_threshold, req.rel_conn_threshold)
+    sess_after = propose(sess, req.abs_sess_threshold, req.rel_sess_threshold)
+    donors, recipients = split(conns) if conn_after else ([], [])
+    sess_donors, sess_recipients = split(sess) if sess_after else ([], [])
+    rows = [
+        {
+            "node": n,
+            "role": "donor" if n in donors + sess_donors else "recipient" if n in recipients + sess_recipients else "-",
+            "connections": conns[n],
+            "connections_after": (conn_after or conns)[n],
+            "sessions": sess[n],
+            "sessions_after": (sess_after or sess)[n],
+        }
+        for n in names
+    ]
+    return {
+        "cluster": req.cluster,
+        "nodes": names,
+        "donors": donors,
+        "recipients": recipients,
+        "session_donors": sess_donors,
+        "session_recipients": sess_recipients,
+        "rates": req.model_dump(include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate"}),
+        "thresholds": req.model_dump(
+            include={"abs_conn_threshold", "rel_conn_threshold", "abs_sess_threshold", "rel_sess_threshold"}
+        ),
+        "proposal": rows,
+        "evicted": {"connections": 0, "sessions": 0},
+        "outcome": "proposal" if conn_after or sess_after else "nothing to balance",
+    }
+
+
+async def _run_rebalance(d: _Driver) -> dict[str, Any]:
+    st, nodes = d.st, d.nodes
+    rates, th = st["rates"], st["thresholds"]
+    conn_pacers = {n: Pacer(rates["conn_evict_rate"]) for n in st["donors"]}
+    sess_pacers = {n: Pacer(rates["sess_evict_rate"]) for n in st["session_donors"]}
+    outcome = "balanced"
+    try:
+        while not d.stop.is_set():
+            state = st["state"]
+            if state in ("waiting_health_check", "waiting_takeover"):
+                await d.wait_until(st["since"] + rates[state.replace("waiting_", "wait_")])
+                if d.stop.is_set():
+                    break
+                nxt = "evicting_conns" if state == "waiting_health_check" else "evicting_sessions"
+                for p in (conn_pacers if nxt == "evicting_conns" else sess_pacers).values():
+                    p.t0, p.done = time.monotonic(), 0
+                await d.enter(nxt)
+                continue
+            views = await nodes.views(st["nodes"], jetstream=state == "evicting_sessions")
+            down = [n for n, v in views.items() if not v.up]
+            if down:
+                outcome = f"aborted: node {', '.join(down)} stopped answering"
+                d.emit("abort", reason=outcome)
+                break
+            conns = state == "evicting_conns"
+            donors, recipients = (
+                (st["donors"], st["recipients"]) if conns else (st["session_donors"], st["session_recipients"])
+            )
+            count = (lambda v: len(v.conns)) if conns else (lambda v: len(v.leaders))
+            counts = {n: count(v) for n, v in views.items()}
+            goal = avg([counts[r] for r in recipients])
+            abs_t, rel_t = (
+                (th["abs_conn_threshold"], th["rel_conn_threshold"])
+                if conns
+                else (th["abs_sess_threshold"], th["rel_sess_threshold"])
+            )
+            st["counts"] = counts
+            if not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t):
+                if conns:
+                    await d.enter("waiting_takeover")
+                    continue
+                break
+            over = [dn for dn in donors if counts[dn] > goal]
+            if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
+                outcome = "balanced as far as possible (the donors' other leaders cannot move)"
+                break
+            for dn in over:
+                excess = max(1, int(counts[dn] - goal))
+                if conns:
+                    n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
+                else:
+                    n, _ = await d.evict_leaders(views[dn], sess_pacers[dn], recipients, dict(counts), limit=excess)
+                st["evicted"]["connections" if conns else "sessions"] += n
+                if n:
+                    d.emit("evicted", node=dn, **{"connections" if conns else "sessions": n})
+            await d.save()
+            await asyncio.sleep(TICK)
+    except Conflict:
+        if not await _get(d.journal.kv, d.journal.key):
+            return {**_public(st), "outcome": "stopped"}
+        raise
+    if d.stop.is_set():
+        with contextlib.suppress(Conflict):
+            await d.journal.save(release=True)
+        return {**_public(st), "outcome": "detached"}
+    await d.journal.delete()  # donors return to service
+    views = await nodes.views(st["nodes"])
+    return {**_public(st), "outcome": outcome, "now": [v.summary() for v in views.values()]}
+
+
+# -- status and stop ---------------------------------------------------------------------------------------
+
+
+async def states(cluster: NatsCluster, name: str) -> dict[str, dict[str, Any]]:
+    """Every evacuation and rebalance journaled for NATS cluster `name`, by key."""
+    from nats.js.errors import NoKeysError
+
+    async with bnats.session(cluster, client_name=f"{CONTROL}-status") as nc:
+        kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            keys = []
+        mine = [k for k in keys if k == rebalance_key(name) or k.startswith(f"evacuation.{name}.")]
+        return {k: st for k in mine if (st := await _get(kv, k))}
+
+
+async def node_status(topo: Topology, node: str | None = None, cluster: str = "") -> list[dict[str, Any]]:
+    """`ferry node status`: each evacuation (or the one of `node`) with live counts."""
+    if node:
+        clusters = [_resolve(topo, node, cluster)]
+    else:
+        clusters = [
+            (n, c) for _, n, c in topo.clusters() if isinstance(c, NatsCluster) and (not cluster or n == cluster)
+        ]
+    rows = []
+    for cname, c in clusters:
+        found = await states(c, cname)
+        evacs = [st for k, st in found.items() if k.startswith("evacuation.") and (not node or st["node"] == node)]
+        if not evacs and not node:
+            continue
+        async with NatsNodes(cname, c, avoid=[]) as nodes:
+            for st in evacs:
+                now = await nodes.view(st["node"])
+                alive = owner_alive(st, STALE_AFTER)
+                rows.append({**_public(st), "current": now.summary(), "driven_by": st.get("owner") if alive else None})
+        if node and not evacs:
+            raise NotFound(f"no evacuation of {node} on record")
+    return rows
+
+
+async def stop(topo: Topology, key_cluster: str, node: str | None) -> dict[str, Any]:
+    """`ferry node stop NODE` / `ferry cluster stop CLUSTER`: end the operation; the node(s) return to service."""
+    cname, cluster = _resolve(topo, node, key_cluster) if node else (key_cluster, topo.nats(key_cluster))
+    key = evacuation_key(cname, node) if node else rebalance_key(cname)
+    async with bnats.session(cluster, client_name=f"{CONTROL}-stop") as nc:
+        kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
+        st = await _get(kv, key)
+        if not st:
+            raise NotFound(f"no {'evacuation of ' + node if node else 'rebalance of ' + cname} is running")
+        await kv.delete(key)
+    return {**_public(st), "outcome": "stopped"}

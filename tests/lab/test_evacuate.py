@@ -1,0 +1,259 @@
+"""`ferry node evacuate` / `ferry cluster rebalance` / `ferry serve` on the lab super-cluster's
+east cluster, with clients connected through a real HAProxy checked against `ferry serve`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from tests.conftest import profile_topology
+from tests.helpers import FERRY, ferry, make_stream
+from tests.lab.test_move import audit, finish
+
+pytestmark = pytest.mark.lab
+
+CLIENTS = 300
+NODES = ("east-1", "east-2", "east-3")
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+    return got
+
+
+def api(state: lab.LabState, method: str, path: str, **kw: Any) -> httpx.Response:
+    token = Path(state.lb["token_file"]).read_text().strip()
+    return httpx.request(
+        method, state.lb["serve"] + path, headers={"Authorization": f"Bearer {token}"}, timeout=30, **kw
+    )
+
+
+def haproxy_up(state: lab.LabState, proxy: str = "nats_east") -> dict[str, bool]:
+    """Per server: in rotation ("UP", or "UP 1/2" while failing towards DOWN)."""
+    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
+    return {
+        r["svname"]: r["status"].startswith("UP")
+        for r in csv.DictReader(io.StringIO(text))
+        if r["pxname"] == proxy and r["svname"] not in ("FRONTEND", "BACKEND")
+    }
+
+
+def connections(state: lab.LabState) -> dict[str, int]:
+    """Client connections per east node (ferry's own control connections excluded)."""
+    topo = profile_topology(state)
+    out = {}
+    for b in topo.nats("east").brokers:
+        conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 100000}, timeout=5).json()["connections"] or []
+        out[b.name] = sum(1 for c in conns if not str(c.get("name", "")).startswith("ferry-ctl"))
+    return out
+
+
+@pytest.fixture()
+def crowded(supercluster: lab.LabState) -> Iterator[Callable[[str], None]]:
+    """crowd(node): make every other east node unavailable to HAProxy (an evacuation held in its
+    health-check wait, started through the API) until `release()`; the fixture releases at the end."""
+    held: list[str] = []
+
+    def crowd(node: str) -> None:
+        others = [n for n in NODES if n != node]
+        for n in others:
+            r = api(supercluster, "POST", "/evacuations", json={"node": n, "wait_health_check": 3600})
+            assert r.status_code == 202, r.text
+            held.append(n)
+        wait_for(lambda: haproxy_up(supercluster) == {n: n == node for n in NODES}, 15, f"HAProxy to see only {node}")
+
+    def release() -> None:
+        while held:
+            n = held.pop()
+            assert api(supercluster, "DELETE", f"/evacuations/{n}").status_code == 200
+        wait_for(lambda: all(haproxy_up(supercluster).values()), 15, "HAProxy to see every node up")
+
+    crowd.release = release  # type: ignore[attr-defined]
+    yield crowd
+    release()
+    for n in NODES:  # a failed test may leave an evacuation behind
+        api(supercluster, "DELETE", f"/evacuations/{n}")
+
+
+def start_clients(state: lab.LabState, ledger: Path, seconds: float, stream: str) -> subprocess.Popen:
+    """CLIENTS JetStream producers (with retries) through HAProxy, recording a ledger."""
+    topology = state.path / "topology.yaml"
+    asyncio_run(make_stream(profile_topology(state), "east", stream, [f"{stream.lower()}.>"], placement="east"))
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = ["load", "jetstream://east", "--url", state.lb["clusters"]["east"]["nats"], "--producers", str(CLIENTS)]
+    args += [
+        "--rate",
+        "600",
+        "--duration",
+        str(seconds),
+        "--subject",
+        f"{stream.lower()}.{{n}}",
+        "--ledger",
+        str(ledger),
+    ]
+    return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def crowd_of(state: lab.LabState, load: subprocess.Popen, node: str) -> None:
+    """Wait until the load's CLIENTS connections are all on `node`."""
+
+    def there() -> bool:
+        if load.poll() is not None:
+            raise AssertionError(f"ferry load exited ({load.returncode}): {load.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        return connections(state)[node] >= CLIENTS
+
+    try:
+        wait_for(there, 60, f"{CLIENTS} clients on {node}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; connections {connections(state)}") from None
+
+
+def asyncio_run(coro: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def events(stderr: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+
+
+def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
+    supercluster: lab.LabState, crowded: Any, tmp_path: Path
+) -> None:
+    topology = supercluster.path / "topology.yaml"
+    topo = profile_topology(supercluster)
+    crowded("east-1")
+    load = start_clients(supercluster, tmp_path / "ledger", 45, "EVAC")
+    crowd_of(supercluster, load, "east-1")
+    crowded.release()
+
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = ["node", "evacuate", "east-1", "--wait-health-check", "4", "--conn-evict-rate", "30"]
+    args += ["--wait-takeover", "1", "--sess-evict-rate", "100", "--json"]
+    proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # during the health-check wait: unavailable to the balancer, yet the node still serves and accepts clients
+    wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-1").status_code == 503, 3, "503")
+    assert api(supercluster, "GET", "/availability_check/east-2").status_code == 200
+
+    async def direct() -> str:
+        nc = await bnats.connect(topo.nats("east"), urls=[topo.nats("east").brokers[0].url], client_name="direct")
+        name = nc._server_info["server_name"]
+        await nc.close()
+        return name
+
+    assert asyncio_run(direct()) == "east-1"
+    assert connections(supercluster)["east-1"] >= CLIENTS - 5
+    wait_for(lambda: not haproxy_up(supercluster)["east-1"], 4, "HAProxy to take east-1 out")
+
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    result, evs = json.loads(out), events(err)
+    t = {e["state"]: e["t"] for e in evs if e["event"] == "state"}
+    took = t["waiting_takeover"] - t["evicting_conns"]
+    assert 8.0 <= took <= 12.0, f"300 connections at 30/s took {took:.1f}s"
+    assert t["evicting_conns"] - t["waiting_health_check"] >= 3.9
+    assert result["outcome"] == "evacuated" and result["state"] == "prohibiting"
+    assert result["initial"]["connections"] >= CLIENTS and result["evicted"]["connections"] >= CLIENTS
+    assert result["now"]["connections"] == 0 and result["now"]["sessions"] <= len(result.get("kept", [])), result
+    assert connections(supercluster)["east-1"] == 0
+
+    async def landing() -> set[str]:
+        got = set()
+        for _ in range(10):
+            nc = await nats.connect(
+                supercluster.lb["clusters"]["east"]["nats"],
+                user="app",
+                password=topo.nats("east").credentials.password(),  # type: ignore[union-attr]
+            )
+            got.add(nc._server_info["server_name"])
+            await nc.close()
+        return got
+
+    assert "east-1" not in asyncio_run(landing())
+    status = json.loads(ferry("node", "status", "east-1", "--json", topology=topology, check=True).stdout)
+    assert status[0]["state"] == "prohibiting" and status[0]["rates"]["conn_evict_rate"] == 30
+
+    finish(load)
+    a = audit(topology, tmp_path / "ledger", "jetstream://east/EVAC", tmp_path / "audit.html")
+    assert a["sent"] > 0 and a["lost"] == 0 and a["extra_copies"] == 0, a
+
+    ferry("node", "stop", "east-1", topology=topology, check=True)
+    wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-1").status_code == 200, 5, "200")
+    wait_for(lambda: haproxy_up(supercluster)["east-1"], 10, "HAProxy to take east-1 back")
+
+
+def test_rebalance_proposes_then_balances_through_haproxy(
+    supercluster: lab.LabState, crowded: Any, tmp_path: Path
+) -> None:
+    topology = supercluster.path / "topology.yaml"
+    crowded("east-2")
+    load = start_clients(supercluster, tmp_path / "ledger", 35, "REBAL")
+    crowd_of(supercluster, load, "east-2")
+    crowded.release()
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
+    args += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--json"]
+
+    dry = json.loads(ferry(*args, topology=topology, check=True).stdout)
+    assert dry["outcome"] == "dry-run" and dry["donors"] == ["east-2"]
+    rows = {r["node"]: r for r in dry["proposal"]}
+    assert rows["east-2"]["connections"] >= CLIENTS and rows["east-2"]["connections_after"] < 130
+    assert connections(supercluster)["east-2"] >= CLIENTS  # a dry run changes nothing
+
+    r = ferry(*args, "--execute", topology=topology, check=True)
+    result = json.loads(r.stdout)
+    assert result["outcome"] == "balanced", result
+    now = connections(supercluster)
+    assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 20 + 5, now  # within (clients still reconnecting: +5)
+    assert min(now.values()) > 50, now
+
+    again = json.loads(ferry(*args, topology=topology, check=True).stdout)
+    assert again["outcome"] == "nothing to balance"
+    finish(load)
+    a = audit(topology, tmp_path / "ledger", "jetstream://east/REBAL", tmp_path / "audit.html")
+    assert a["sent"] > 0 and a["lost"] == 0 and a["extra_copies"] == 0, a
+
+
+def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> None:
+    topology = supercluster.path / "topology.yaml"
+    for args, needle in [
+        (["cluster", "rebalance", "east", "--rel-conn-threshold", "1"], "must be > 1"),
+        (["node", "evacuate", "east-9"], "no NATS node 'east-9'"),
+        (["node", "evacuate", "east-1", "--conn-evict-rate", "-5"], "--conn-evict-rate"),
+        (["node", "evacuate", "east-1", "--migrate-to", "east-1"], "cannot include"),
+        (["node", "stop", "east-3"], "no evacuation of east-3"),
+    ]:
+        r = ferry(*args, topology=topology)
+        assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    assert (
+        api(supercluster, "POST", "/evacuations", json={"node": "east-3", "wait_health_check": 600}).status_code == 202
+    )
+    try:
+        r = ferry("node", "evacuate", "east-3", topology=topology)
+        assert r.returncode == 1 and "already running" in r.stderr, r.stderr
+        no_token = httpx.post(supercluster.lb["serve"] + "/evacuations", json={"node": "east-2"}, timeout=10)
+        assert no_token.status_code == 401
+        assert api(supercluster, "GET", "/availability_check?node=east-3").status_code == 503
+        assert "/availability_check" in httpx.get(supercluster.lb["serve"] + "/openapi.json", timeout=10).text
+    finally:
+        ferry("node", "stop", "east-3", topology=topology, check=True)
+    wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-3").status_code == 200, 5, "200")
