@@ -114,8 +114,10 @@ def test_up_twice_is_harmless_and_status_reports(supercluster: lab.LabState, lab
     result = CliRunner().invoke(app, ["lab", "status", "--dir", str(lab_dir), "--json"])
     assert result.exit_code == 0, result.output
     rows = [r for r in json.loads(result.output) if r["profile"] == "supercluster"]
-    assert {r["server"] for r in rows} == {f"{c}-{i}" for c in ("east", "west") for i in (1, 2, 3)}
-    assert all(r["running"] and r["health"] == "ok" and r["ports"]["client"] > 0 for r in rows)
+    nats = [r for r in rows if r["kind"] == "nats"]
+    assert {r["server"] for r in nats} == {f"{c}-{i}" for c in ("east", "west") for i in (1, 2, 3)}
+    assert all(r["running"] and r["health"] == "ok" and r["ports"]["client"] > 0 for r in nats)
+    assert {r["server"]: r["health"] for r in rows if r["kind"] != "nats"} == {"ferry-serve": "ok", "haproxy": "ok"}
 
 
 def test_restarts_a_dead_server(sites: lab.LabState, lab_dir: Path) -> None:
