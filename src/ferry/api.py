@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -49,8 +50,6 @@ class Registry:
 
     async def watch(self, name: str, cluster: NatsCluster) -> None:
         """Mirror `name`'s journal keys, reconnecting forever."""
-        import json
-
         while True:
             try:
                 async with bnats.session(cluster, name=name, client_name=f"{rb.CONTROL}-serve") as nc:

@@ -1024,9 +1024,7 @@ class _Ticker:
                 left = f", {data['left']:,} left" if "left" in data else ""
                 done = ", ".join(f"{v:,} {k}" for k, v in self.counts.items() if v)
                 err.print(f"  moved so far: {done}{left}", highlight=False)
-        elif event == "plan":
-            pass
-        else:
+        elif event != "plan":  # the plan is in the final report
             err.print(f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items()), highlight=False)
 
 

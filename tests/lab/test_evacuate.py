@@ -3,6 +3,7 @@ east cluster, with clients connected through a real HAProxy checked against `fer
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -95,7 +96,7 @@ def crowded(supercluster: lab.LabState) -> Iterator[Callable[[str], None]]:
 def start_clients(state: lab.LabState, ledger: Path, seconds: float, stream: str) -> subprocess.Popen:
     """CLIENTS JetStream producers (with retries) through HAProxy, recording a ledger."""
     topology = state.path / "topology.yaml"
-    asyncio_run(make_stream(profile_topology(state), "east", stream, [f"{stream.lower()}.>"], placement="east"))
+    asyncio.run(make_stream(profile_topology(state), "east", stream, [f"{stream.lower()}.>"], placement="east"))
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     args = ["load", "jetstream://east", "--url", state.lb["clusters"]["east"]["nats"], "--producers", str(CLIENTS)]
     args += [
@@ -123,12 +124,6 @@ def crowd_of(state: lab.LabState, load: subprocess.Popen, node: str) -> None:
         wait_for(there, 60, f"{CLIENTS} clients on {node}")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; connections {connections(state)}") from None
-
-
-def asyncio_run(coro: Any) -> Any:
-    import asyncio
-
-    return asyncio.run(coro)
 
 
 def events(stderr: str) -> list[dict[str, Any]]:
@@ -160,7 +155,7 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
         await nc.close()
         return name
 
-    assert asyncio_run(direct()) == "east-1"
+    assert asyncio.run(direct()) == "east-1"
     assert connections(supercluster)["east-1"] >= CLIENTS - 5
     wait_for(lambda: not haproxy_up(supercluster)["east-1"], 4, "HAProxy to take east-1 out")
 
@@ -188,7 +183,7 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
             await nc.close()
         return got
 
-    assert "east-1" not in asyncio_run(landing())
+    assert "east-1" not in asyncio.run(landing())
     status = json.loads(ferry("node", "status", "east-1", "--json", topology=topology, check=True).stdout)
     assert status[0]["state"] == "prohibiting" and status[0]["rates"]["conn_evict_rate"] == 30
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel
@@ -255,7 +256,7 @@ def _lb_health(state: LabState) -> dict[str, str]:
         serve = "ok" if read >= set(state.lb["clusters"]) else "journals not read yet"
     except (httpx.HTTPError, ValueError) as exc:
         serve = f"not answering ({type(exc).__name__})"
-    stats_port = int(state.lb["stats"].split(":")[2].split("/")[0])
+    stats_port = urlsplit(state.lb["stats"]).port or 0
     return {"ferry-serve": serve, "haproxy": "ok" if port_open(stats_port) else "stats port closed"}
 
 

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,11 @@ class Pacer:
     """At most `rate` actions per second since `start`, the first one at once."""
 
     def __init__(self, rate: float) -> None:
-        self.rate, self.t0, self.done = rate, time.monotonic(), 0
+        self.rate = rate
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0, self.done = time.monotonic(), 0
 
     def take(self, wanted: int) -> int:
         allowed = 1 + int(self.rate * (time.monotonic() - self.t0)) - self.done
@@ -348,6 +353,20 @@ def _resolve(topo: Topology, node: str, cluster: str) -> tuple[str, NatsCluster]
     return found[0]
 
 
+async def _claim(nodes: NatsNodes, key: str, what: str, hint: str = "") -> tuple[Journal, dict[str, Any] | None]:
+    """The operation's journal, holding its state when resuming; refused while another live ferry drives it."""
+    journal = Journal(nodes.nc, key, stale_after=STALE_AFTER)  # type: ignore[arg-type]
+    prior = await journal.open(replicas=min(3, len(nodes.brokers)))
+    if prior and journal.owner_alive(prior):
+        o = prior.get("owner") or {}
+        raise Conflict(
+            f"{what} is already running (state {prior.get('state')}, pid {o.get('pid')} on {o.get('host')})"
+            + (f"; {hint}" if hint else "")
+        )
+    journal.state = prior or {}
+    return journal, prior
+
+
 def evacuation_key(cluster: str, node: str) -> str:
     return f"evacuation.{cluster}.{node}"
 
@@ -382,14 +401,29 @@ class _Driver:
     def st(self) -> dict[str, Any]:
         return self.journal.state
 
-    async def save(self, force: bool = False, **changes: Any) -> None:
-        if force or changes or time.monotonic() - self.saved >= 1.0:
+    async def save(self, **changes: Any) -> None:
+        if changes or time.monotonic() - self.saved >= 1.0:
             await self.journal.save(**changes)
             self.saved = time.monotonic()
 
     async def enter(self, state: str, **extra: Any) -> None:
         await self.save(state=state, since=time.time(), **extra)
         self.emit("state", state=state, **extra)
+
+    async def run(self, steps: Coroutine[Any, Any, Any]) -> tuple[Any, dict[str, Any] | None]:
+        """Run the operation's state loop: (its result, None), or (None, the report) when
+        `ferry ... stop` deleted the journal or this ferry was asked to let go (detached)."""
+        try:
+            result = await steps
+        except Conflict:
+            if not await _get(self.journal.kv, self.journal.key):
+                return None, {**_public(self.st), "outcome": "stopped"}
+            raise
+        if self.stop.is_set():
+            with contextlib.suppress(Conflict):
+                await self.journal.save(release=True)
+            return None, {**_public(self.st), "outcome": "detached"}
+        return result, None
 
     def fresh(self, key: str) -> bool:
         """Not acted on within RETRY_AFTER seconds (then mark it acted on)."""
@@ -451,19 +485,13 @@ async def evacuate(
         nodes.check(req.migrate_to, "--migrate-to")
         if req.node in req.migrate_to:
             raise UsageError(f"--migrate-to cannot include the node being evacuated ({req.node})")
-        journal = Journal(nodes.nc, evacuation_key(cname, req.node), stale_after=STALE_AFTER)  # type: ignore[arg-type]
-        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
-        if prior and journal.owner_alive(prior):
-            o = prior.get("owner") or {}
-            raise Conflict(
-                f"an evacuation of {req.node} is already running (state {prior.get('state')}, "
-                f"pid {o.get('pid')} on {o.get('host')}); `ferry node status {req.node}`"
-            )
+        journal, prior = await _claim(
+            nodes, evacuation_key(cname, req.node), f"an evacuation of {req.node}", f"`ferry node status {req.node}`"
+        )
         if prior:
-            journal.state = prior
             emit("resume", state=prior["state"], rates=prior["rates"])
         else:
-            plan = await _evacuation_plan(topo, nodes, journal, cname, req)
+            plan = await _evacuation_plan(nodes, journal, cname, req)
             emit("plan", **plan)
             if req.dry_run:
                 return {**plan, "outcome": "dry-run"}
@@ -473,9 +501,7 @@ async def evacuate(
         return await _run_evacuation(_Driver(nodes, journal, emit, stop), hold)
 
 
-async def _evacuation_plan(
-    topo: Topology, nodes: NatsNodes, journal: Journal, cname: str, req: EvacuateRequest
-) -> dict[str, Any]:
+async def _evacuation_plan(nodes: NatsNodes, journal: Journal, cname: str, req: EvacuateRequest) -> dict[str, Any]:
     others = [n for n in nodes.brokers if n != req.node]
     rb = await _get(journal.kv, rebalance_key(cname))
     if rb and req.node in rb.get("nodes", []):
@@ -500,62 +526,59 @@ async def _evacuation_plan(
 
 
 async def _run_evacuation(d: _Driver, hold: bool) -> dict[str, Any]:
+    _, ended = await d.run(_evacuation_steps(d, hold))
+    if ended:
+        return ended
+    v = await d.nodes.view(d.st["node"])
+    return {**_public(d.st), "outcome": "evacuated", "now": v.summary()}
+
+
+async def _evacuation_steps(d: _Driver, hold: bool) -> None:
     st, node, nodes = d.st, d.st["node"], d.nodes
     rates = st["rates"]
     conn_pacer, sess_pacer = Pacer(rates["conn_evict_rate"]), Pacer(rates["sess_evict_rate"])
-    try:
-        while not d.stop.is_set():
-            state = st["state"]
-            if state == "waiting_health_check":
-                await d.wait_until(st["since"] + rates["wait_health_check"])
-                if not d.stop.is_set():
-                    conn_pacer = Pacer(rates["conn_evict_rate"])
-                    await d.enter("evicting_conns")
-            elif state == "evicting_conns":
-                v = await nodes.view(node, jetstream=False)
-                if v.up and v.conns:
-                    n = await d.evict_conns(v, conn_pacer)
-                    if n:
-                        st["evicted"]["connections"] += n
-                        d.emit("evicted", connections=n, left=len(v.conns) - n)
-                    await d.save()
-                    await asyncio.sleep(TICK)
-                else:
-                    await d.enter("waiting_takeover")
-            elif state == "waiting_takeover":
-                await d.wait_until(st["since"] + rates["wait_takeover"])
-                if not d.stop.is_set():
-                    sess_pacer = Pacer(rates["sess_evict_rate"])
-                    await d.enter("evicting_sessions")
-            elif state == "evicting_sessions":
-                if await _evict_sessions(d, sess_pacer):
-                    await d.enter("prohibiting")
-                    if not hold:
-                        await d.journal.save(release=True)
-                        break
+    while not d.stop.is_set():
+        state = st["state"]
+        if state == "waiting_health_check":
+            await d.wait_until(st["since"] + rates["wait_health_check"])
+            if not d.stop.is_set():
+                conn_pacer.restart()
+                await d.enter("evicting_conns")
+        elif state == "evicting_conns":
+            v = await nodes.view(node, jetstream=False)
+            if v.up and v.conns:
+                n = await d.evict_conns(v, conn_pacer)
+                if n:
+                    st["evicted"]["connections"] += n
+                    d.emit("evicted", connections=n, left=len(v.conns) - n)
                 await d.save()
                 await asyncio.sleep(TICK)
-            else:  # prohibiting: whatever comes back is moved off again
-                v = await nodes.view(node)
-                if v.up:
-                    n = await d.evict_conns(v, conn_pacer)
-                    moved, _ = await d.evict_leaders(v, sess_pacer, st["recipients"], {})
-                    if n or moved:
-                        st["evicted"]["connections"] += n
-                        st["evicted"]["sessions"] += moved
-                        d.emit("evicted", connections=n, sessions=moved, prohibiting=True)
-                await d.save()
-                await asyncio.sleep(TICK * 5)
-    except Conflict:
-        if not await _get(d.journal.kv, d.journal.key):
-            return {**_public(st), "outcome": "stopped"}
-        raise
-    if d.stop.is_set():
-        with contextlib.suppress(Conflict):
-            await d.journal.save(release=True)
-        return {**_public(st), "outcome": "detached"}
-    v = await nodes.view(node)
-    return {**_public(st), "outcome": "evacuated", "now": v.summary()}
+            else:
+                await d.enter("waiting_takeover")
+        elif state == "waiting_takeover":
+            await d.wait_until(st["since"] + rates["wait_takeover"])
+            if not d.stop.is_set():
+                sess_pacer.restart()
+                await d.enter("evicting_sessions")
+        elif state == "evicting_sessions":
+            if await _evict_sessions(d, sess_pacer):
+                await d.enter("prohibiting")
+                if not hold:
+                    await d.journal.save(release=True)
+                    break
+            await d.save()
+            await asyncio.sleep(TICK)
+        else:  # prohibiting: whatever comes back is moved off again
+            v = await nodes.view(node)
+            if v.up:
+                n = await d.evict_conns(v, conn_pacer)
+                moved, _ = await d.evict_leaders(v, sess_pacer, st["recipients"], {})
+                if n or moved:
+                    st["evicted"]["connections"] += n
+                    st["evicted"]["sessions"] += moved
+                    d.emit("evicted", connections=n, sessions=moved, prohibiting=True)
+            await d.save()
+            await asyncio.sleep(TICK * 5)
 
 
 async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
@@ -618,16 +641,8 @@ async def rebalance(
         raise UsageError("a rebalance needs at least two nodes")
     async with NatsNodes(req.cluster, cluster, avoid=[]) as nodes:
         nodes.check(names, "--nodes")
-        journal = Journal(nodes.nc, rebalance_key(req.cluster), stale_after=STALE_AFTER)  # type: ignore[arg-type]
-        prior = await journal.open(replicas=min(3, len(cluster.brokers)))
-        if prior and journal.owner_alive(prior):
-            o = prior.get("owner") or {}
-            raise Conflict(
-                f"a rebalance of {req.cluster} is already running (state {prior.get('state')}, "
-                f"pid {o.get('pid')} on {o.get('host')})"
-            )
+        journal, prior = await _claim(nodes, rebalance_key(req.cluster), f"a rebalance of {req.cluster}")
         if prior:
-            journal.state = prior
             emit("resume", state=prior["state"])
         else:
             plan = await _rebalance_plan(nodes, journal, req, names)
@@ -687,73 +702,72 @@ async def _rebalance_plan(
 
 
 async def _run_rebalance(d: _Driver) -> dict[str, Any]:
+    outcome, ended = await d.run(_rebalance_steps(d))
+    if ended:
+        return ended
+    await d.journal.delete()  # donors return to service
+    views = await d.nodes.views(d.st["nodes"])
+    return {**_public(d.st), "outcome": outcome, "now": [v.summary() for v in views.values()]}
+
+
+async def _rebalance_steps(d: _Driver) -> str:
+    """The rebalance's state loop; its outcome."""
     st, nodes = d.st, d.nodes
     rates, th = st["rates"], st["thresholds"]
     conn_pacers = {n: Pacer(rates["conn_evict_rate"]) for n in st["donors"]}
     sess_pacers = {n: Pacer(rates["sess_evict_rate"]) for n in st["session_donors"]}
     outcome = "balanced"
-    try:
-        while not d.stop.is_set():
-            state = st["state"]
-            if state in ("waiting_health_check", "waiting_takeover"):
-                await d.wait_until(st["since"] + rates[state.replace("waiting_", "wait_")])
-                if d.stop.is_set():
-                    break
-                nxt = "evicting_conns" if state == "waiting_health_check" else "evicting_sessions"
-                for p in (conn_pacers if nxt == "evicting_conns" else sess_pacers).values():
-                    p.t0, p.done = time.monotonic(), 0
-                await d.enter(nxt)
+    while not d.stop.is_set():
+        state = st["state"]
+        if state in ("waiting_health_check", "waiting_takeover"):
+            await d.wait_until(st["since"] + rates[state.replace("waiting_", "wait_")])
+            if d.stop.is_set():
+                break
+            nxt = "evicting_conns" if state == "waiting_health_check" else "evicting_sessions"
+            for p in (conn_pacers if nxt == "evicting_conns" else sess_pacers).values():
+                p.restart()
+            await d.enter(nxt)
+            continue
+        views = await nodes.views(st["nodes"], jetstream=state == "evicting_sessions")
+        down = [n for n, v in views.items() if not v.up]
+        if down:
+            outcome = f"aborted: node {', '.join(down)} stopped answering"
+            d.emit("abort", reason=outcome)
+            break
+        conns = state == "evicting_conns"
+        donors, recipients = (
+            (st["donors"], st["recipients"]) if conns else (st["session_donors"], st["session_recipients"])
+        )
+        count = (lambda v: len(v.conns)) if conns else (lambda v: len(v.leaders))
+        counts = {n: count(v) for n, v in views.items()}
+        goal = avg([counts[r] for r in recipients])
+        abs_t, rel_t = (
+            (th["abs_conn_threshold"], th["rel_conn_threshold"])
+            if conns
+            else (th["abs_sess_threshold"], th["rel_sess_threshold"])
+        )
+        st["counts"] = counts
+        if not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t):
+            if conns:
+                await d.enter("waiting_takeover")
                 continue
-            views = await nodes.views(st["nodes"], jetstream=state == "evicting_sessions")
-            down = [n for n, v in views.items() if not v.up]
-            if down:
-                outcome = f"aborted: node {', '.join(down)} stopped answering"
-                d.emit("abort", reason=outcome)
-                break
-            conns = state == "evicting_conns"
-            donors, recipients = (
-                (st["donors"], st["recipients"]) if conns else (st["session_donors"], st["session_recipients"])
-            )
-            count = (lambda v: len(v.conns)) if conns else (lambda v: len(v.leaders))
-            counts = {n: count(v) for n, v in views.items()}
-            goal = avg([counts[r] for r in recipients])
-            abs_t, rel_t = (
-                (th["abs_conn_threshold"], th["rel_conn_threshold"])
-                if conns
-                else (th["abs_sess_threshold"], th["rel_sess_threshold"])
-            )
-            st["counts"] = counts
-            if not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t):
-                if conns:
-                    await d.enter("waiting_takeover")
-                    continue
-                break
-            over = [dn for dn in donors if counts[dn] > goal]
-            if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
-                outcome = "balanced as far as possible (the donors' other leaders cannot move)"
-                break
-            for dn in over:
-                excess = max(1, int(counts[dn] - goal))
-                if conns:
-                    n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
-                else:
-                    n, _ = await d.evict_leaders(views[dn], sess_pacers[dn], recipients, dict(counts), limit=excess)
-                st["evicted"]["connections" if conns else "sessions"] += n
-                if n:
-                    d.emit("evicted", node=dn, **{"connections" if conns else "sessions": n})
-            await d.save()
-            await asyncio.sleep(TICK)
-    except Conflict:
-        if not await _get(d.journal.kv, d.journal.key):
-            return {**_public(st), "outcome": "stopped"}
-        raise
-    if d.stop.is_set():
-        with contextlib.suppress(Conflict):
-            await d.journal.save(release=True)
-        return {**_public(st), "outcome": "detached"}
-    await d.journal.delete()  # donors return to service
-    views = await nodes.views(st["nodes"])
-    return {**_public(st), "outcome": outcome, "now": [v.summary() for v in views.values()]}
+            break
+        over = [dn for dn in donors if counts[dn] > goal]
+        if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
+            outcome = "balanced as far as possible (the donors' other leaders cannot move)"
+            break
+        for dn in over:
+            excess = max(1, int(counts[dn] - goal))
+            if conns:
+                n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
+            else:
+                n, _ = await d.evict_leaders(views[dn], sess_pacers[dn], recipients, dict(counts), limit=excess)
+            st["evicted"]["connections" if conns else "sessions"] += n
+            if n:
+                d.emit("evicted", node=dn, **{"connections" if conns else "sessions": n})
+        await d.save()
+        await asyncio.sleep(TICK)
+    return outcome
 
 
 # -- status and stop ---------------------------------------------------------------------------------------
