@@ -55,7 +55,7 @@ from pydantic import BaseModel, Field, field_validator
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
-from ferry.ops.journal import Journal, bucket, owner_alive
+from ferry.ops.journal import BUCKET, Journal, bucket, owner_alive
 from ferry.topology import NatsCluster, Topology
 
 __all__ = [
@@ -774,17 +774,19 @@ async def _rebalance_steps(d: _Driver) -> str:
 
 
 async def states(cluster: NatsCluster, name: str) -> dict[str, dict[str, Any]]:
-    """Every evacuation and rebalance journaled for NATS cluster `name`, by key."""
-    from nats.js.errors import NoKeysError
+    """Every evacuation and rebalance journaled for NATS cluster `name`, by key.
 
+    Keys come from the stream's own per-subject counts, not `kv.keys()`: nats-py's
+    key listing can end before the entries arrive (seen with a key updated every second).
+    """
+    prefix = f"$KV.{BUCKET}."
     async with bnats.session(cluster, client_name=f"{CONTROL}-status") as nc:
         kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        mine = [k for k in keys if k == rebalance_key(name) or k.startswith(f"evacuation.{name}.")]
-        return {k: st for k in mine if (st := await _get(kv, k))}
+        keys: list[str] = []
+        for pattern in (f"evacuation.{name}.>", rebalance_key(name)):
+            info = await nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
+            keys += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+        return {k: st for k in keys if (st := await _get(kv, k))}
 
 
 async def node_status(topo: Topology, node: str | None = None, cluster: str = "") -> list[dict[str, Any]]:
