@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,87 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
     wait_for(lambda: haproxy_up(supercluster)["east-1"], 10, "HAProxy to take east-1 back")
 
 
+def test_evacuation_moves_persistent_mqtt_sessions_with_their_qos1_messages(
+    supercluster: lab.LabState, crowded: Any
+) -> None:
+    """MQTT clients with clean-session=false and QoS 1 subscriptions, all on east-1 through HAProxy:
+    after the evacuation every session is on another node and every QoS 1 message published
+    during the move was delivered."""
+    import paho.mqtt.client as mqtt
+
+    topology = supercluster.path / "topology.yaml"
+    cluster = profile_topology(supercluster).nats("east")
+    user, password = cluster.credentials.user, cluster.credentials.password()  # type: ignore[union-attr]
+    n_clients = 20
+    crowded("east-1")
+    wait_for(lambda: haproxy_up(supercluster, "mqtt_east") == {n: n == "east-1" for n in NODES}, 10, "MQTT proxy")
+
+    got: dict[int, set[str]] = {i: set() for i in range(n_clients)}
+    subscribed: set[int] = set()
+
+    def client(client_id: str, url: str, topic: str | None = None, i: int = 0) -> mqtt.Client:
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False)
+        c.username_pw_set(user, password)
+        c.reconnect_delay_set(1, 2)
+        if topic:
+            c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
+            c.on_subscribe = lambda *_: subscribed.add(i)
+            c.on_message = lambda _c, _u, m: got[i].add(m.payload.decode())
+        u = urllib.parse.urlsplit(url)
+        c.connect_async(u.hostname, u.port, keepalive=30)
+        c.loop_start()
+        return c
+
+    subs = [
+        client(f"evac-sub-{i}", supercluster.lb["clusters"]["east"]["mqtt"], f"evac/mq/{i}", i)
+        for i in range(n_clients)
+    ]
+    pub = client("evac-pub", next(b.mqtt_url for b in cluster.brokers if b.name == "east-2"))  # type: ignore[arg-type]
+    sent: dict[int, set[str]] = {i: set() for i in range(n_clients)}
+    try:
+        wait_for(lambda: len(subscribed) == n_clients and pub.is_connected(), 30, "MQTT subscriptions acknowledged")
+        crowded.release()
+
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        args = ["node", "evacuate", "east-1", "--wait-health-check", "3", "--conn-evict-rate", "10"]
+        args += ["--wait-takeover", "3", "--sess-evict-rate", "50", "--json"]
+        proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seq = 0
+        while proc.poll() is None:  # QoS 1 publishes all through the evacuation
+            for i in range(n_clients):
+                body = f"m{seq}"
+                pub.publish(f"evac/mq/{i}", body, qos=1).wait_for_publish(timeout=10)
+                sent[i].add(body)
+            seq += 1
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err[-2000:]
+        result = json.loads(out)
+        assert result["initial"]["mqtt"] >= n_clients and result["now"]["connections"] == 0, result
+        assert seq >= 30, f"only {seq} rounds published during the evacuation"
+
+        def where() -> dict[str, str]:
+            out = {}
+            for b in cluster.brokers:
+                conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 10000}, timeout=5).json()["connections"]
+                out |= {
+                    c["mqtt_client"]: b.name
+                    for c in conns or []
+                    if str(c.get("mqtt_client", "")).startswith("evac-sub")
+                }
+            return out
+
+        wait_for(lambda: len(where()) == n_clients, 30, "every MQTT session reconnected")
+        assert "east-1" not in set(where().values()), where()
+        wait_for(lambda: all(sent[i] <= got[i] for i in got), 30, "every QoS 1 message delivered")
+    finally:
+        for c in [*subs, pub]:
+            c.disconnect()
+            c.loop_stop()
+        ferry("node", "stop", "east-1", topology=topology)
+    wait_for(lambda: haproxy_up(supercluster)["east-1"], 10, "HAProxy to take east-1 back")
+
+
 def test_rebalance_proposes_then_balances_through_haproxy(
     supercluster: lab.LabState, crowded: Any, tmp_path: Path
 ) -> None:
@@ -240,10 +322,25 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         r = ferry(*args, topology=topology)
         assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
-    assert (
-        api(supercluster, "POST", "/evacuations", json={"node": "east-3", "wait_health_check": 600}).status_code == 202
-    )
+    # an evacuation whose ferry is killed: ferry serve adopts it in the same state with the same rates
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = ["node", "evacuate", "east-3", "--wait-health-check", "600", "--conn-evict-rate", "7", "--json"]
+    cli = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+
+        def status() -> dict[str, Any]:
+            r = ferry("node", "status", "east-3", "--json", topology=topology)
+            return json.loads(r.stdout)[0] if r.returncode == 0 else {}
+
+        before = wait_for(lambda: (st := status()).get("driven_by") and st, 30, "the CLI's evacuation")
+        assert before["driven_by"]["pid"] == cli.pid and before["state"] == "waiting_health_check", before
+        cli.kill()
+        cli.wait(timeout=10)
+        serve_pid = supercluster.proc("ferry-serve").pid
+        after = wait_for(lambda: (st := status()).get("driven_by", {}).get("pid") == serve_pid and st, 15, "adoption")
+        assert after["state"] == "waiting_health_check" and after["since"] == before["since"], after
+        assert after["rates"] == before["rates"] and after["rates"]["conn_evict_rate"] == 7, after
+        assert after["initial"] == before["initial"]
         r = ferry("node", "evacuate", "east-3", topology=topology)
         assert r.returncode == 1 and "already running" in r.stderr, r.stderr
         no_token = httpx.post(supercluster.lb["serve"] + "/evacuations", json={"node": "east-2"}, timeout=10)
@@ -251,5 +348,6 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         assert api(supercluster, "GET", "/availability_check?node=east-3").status_code == 503
         assert "/availability_check" in httpx.get(supercluster.lb["serve"] + "/openapi.json", timeout=10).text
     finally:
+        cli.kill()
         ferry("node", "stop", "east-3", topology=topology, check=True)
     wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-3").status_code == 200, 5, "200")

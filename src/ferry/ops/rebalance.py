@@ -546,7 +546,10 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
                 await d.enter("evicting_conns")
         elif state == "evicting_conns":
             v = await nodes.view(node, jetstream=False)
-            if v.up and v.conns:
+            if not v.up:  # restarting: its clients come back (the balancer keeps new ones away)
+                await d.save()
+                await asyncio.sleep(TICK * 5)
+            elif v.conns:
                 n = await d.evict_conns(v, conn_pacer)
                 if n:
                     st["evicted"]["connections"] += n
