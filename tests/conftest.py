@@ -57,7 +57,7 @@ def rabbit_dr(lab_dir: Path) -> Iterator[lab.LabState]:
 
 @pytest.fixture(scope="session")
 def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("rabbit-cluster", lab_dir)
+    yield from _profile("rabbit-cluster", lab_dir, haproxy=True)
 
 
 def profile_topology(state: lab.LabState) -> Topology:

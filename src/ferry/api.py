@@ -7,10 +7,11 @@
   (DELETE). Mutating endpoints need ``Authorization: Bearer <token>``;
 - OpenAPI at ``/openapi.json``.
 
-The server watches every NATS cluster's ``ferry_ops`` bucket, so answers follow
-the journal within milliseconds whoever wrote it (a CLI, another ``ferry
-serve``), and it drives every journaled operation whose driver died: an
-evacuation started from the CLI is kept ``prohibiting`` here after the CLI returns.
+The server watches every NATS cluster's ``ferry_ops`` bucket (and polls every
+RabbitMQ cluster's ``ferry-ops.*`` global parameters twice a second), so answers
+follow the journal whoever wrote it (a CLI, another ``ferry serve``), and it
+drives every journaled operation whose driver died: an evacuation started from
+the CLI is kept ``prohibiting`` here after the CLI returns.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ferry.brokers import nats as bnats
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.ops import rebalance as rb
 from ferry.ops.journal import bucket, owner_alive
-from ferry.topology import NatsCluster, Topology
+from ferry.ops.nodes import CONTROL
+from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
 
@@ -39,20 +41,28 @@ __all__ = ["create_app"]
 
 
 class Registry:
-    """The journaled operations of every NATS cluster, kept current by KV watches, and their drivers."""
+    """The journaled operations of every cluster, kept current, and their drivers."""
 
     def __init__(self, topo: Topology) -> None:
         self.topo = topo
-        self.clusters = {n: c for _, n, c in topo.clusters() if isinstance(c, NatsCluster)}
+        self.clusters: dict[str, NatsCluster | RabbitCluster] = {n: c for _, n, c in topo.clusters()}
         self.states: dict[str, dict[str, dict[str, Any]]] = {}  # cluster -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
         self.stops: dict[str, asyncio.Event] = {}
 
-    async def watch(self, name: str, cluster: NatsCluster) -> None:
+    async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
         """Mirror `name`'s journal keys, reconnecting forever."""
+        while not isinstance(cluster, NatsCluster):  # RabbitMQ has no watch: poll
+            try:
+                self.states[name] = await rb.states(cluster, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep the last known states; try again
+                log.warning("reading %s's journal: %s", name, exc)
+            await asyncio.sleep(0.5)
         while True:
             try:
-                async with bnats.session(cluster, name=name, client_name=f"{rb.CONTROL}-serve") as nc:
+                async with bnats.session(cluster, name=name, client_name=f"{CONTROL}-serve") as nc:
                     kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
                     watcher = await kv.watchall()
                     seen: dict[str, dict[str, Any]] = {}
@@ -112,7 +122,7 @@ class Registry:
             n for n, c in self.clusters.items() if (not cluster or n == cluster) and node in {b.name for b in c.brokers}
         ]
         if not found:
-            raise HTTPException(404, f"no NATS node {node!r}" + (f" in cluster {cluster!r}" if cluster else ""))
+            raise HTTPException(404, f"no node {node!r}" + (f" in cluster {cluster!r}" if cluster else ""))
         if len(found) > 1:
             raise HTTPException(400, f"node {node!r} is in clusters {', '.join(found)}; add ?cluster=")
         return found[0]
@@ -224,7 +234,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     @app.post("/rebalances", dependencies=[Auth], status_code=202)
     async def start_rebalance(req: rb.RebalanceRequest) -> dict[str, Any]:
         if req.cluster not in reg.clusters:
-            raise HTTPException(404, f"no NATS cluster {req.cluster!r}")
+            raise HTTPException(404, f"no cluster {req.cluster!r}")
         key = rb.rebalance_key(req.cluster)
         stop = reg.stops[key] = asyncio.Event()
         return await _first_event(reg, key, lambda emit: rb.rebalance(reg.topo, req, emit, stop=stop))

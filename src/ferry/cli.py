@@ -807,7 +807,11 @@ def load_cmd(
     confirms: Annotated[bool, typer.Option(help="RabbitMQ: publisher confirms.")] = True,
     exchange: Annotated[str | None, typer.Option(help="RabbitMQ: exchange (default: the default exchange).")] = None,
     url: Annotated[
-        str | None, typer.Option(help="NATS: connect to this URL (e.g. a load balancer), not the topology's brokers.")
+        str | None,
+        typer.Option(
+            help="Connect to this URL (e.g. a load balancer), not the topology's brokers; "
+            "RabbitMQ producers reconnect and re-send what was not confirmed."
+        ),
     ] = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
@@ -1279,21 +1283,27 @@ def lab_up(
     if state.lb:
         out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
         for name, urls in state.lb["clusters"].items():
-            out.print(f"through HAProxy: {name}: {urls['nats']} {urls['mqtt']}")
+            out.print(f"through HAProxy: {name}: {' '.join(urls.values())}")
 
 
 @lab_app.command("haproxy-config")
 def lab_haproxy_config(
-    cluster: Annotated[str, typer.Argument(help="The NATS cluster to front.")],
+    cluster: Annotated[str, typer.Argument(help="The NATS or RabbitMQ cluster to front.")],
     serve: Annotated[str, typer.Option(help="host:port of `ferry serve` (the availability check).")] = "127.0.0.1:8377",
     nats_bind: Annotated[str, typer.Option(help="Where HAProxy listens for NATS clients.")] = "*:4222",
+    amqp_bind: Annotated[str, typer.Option(help="Where HAProxy listens for AMQP clients.")] = "*:5672",
     mqtt_bind: Annotated[str, typer.Option(help="Where HAProxy listens for MQTT clients ('' for none).")] = "*:1883",
     topology: TopologyOpt = None,
 ) -> None:
     """Print an haproxy.cfg for a cluster of the topology: leastconn, node health + ferry's availability check."""
     from ferry.lab import haproxy
+    from ferry.topology import NatsCluster
 
-    fronts = haproxy.nats_frontends(cluster, _topology(topology).nats(cluster), nats_bind, mqtt_bind or None)
+    c = _topology(topology).cluster(cluster)
+    if isinstance(c, NatsCluster):
+        fronts = haproxy.nats_frontends(cluster, c, nats_bind, mqtt_bind or None)
+    else:
+        fronts = haproxy.rabbit_frontends(cluster, c, amqp_bind, mqtt_bind or None)
     out.print(haproxy.render(fronts, serve, stats_bind="127.0.0.1:8404"), highlight=False, markup=False)
 
 

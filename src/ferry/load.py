@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ferry.brokers import nats as bnats
-from ferry.errors import ConfigError, UsageError
+from ferry.errors import BrokerUnavailable, ConfigError, FerryError, UsageError
 from ferry.pipeline._amqp import raw_connect
 from ferry.publish import Ack, Pacer, Publisher
 from ferry.topology import Topology
@@ -90,7 +90,7 @@ class LoadOptions:
     retry: bool = True
     confirms: bool = True
     exchange: str | None = None
-    url: str | None = None  # NATS: connect here (e.g. a load balancer) instead of the topology's brokers
+    url: str | None = None  # connect here (e.g. a load balancer) instead of the topology's brokers
     ack_timeout: float = 2.0
     give_up_after: float = 60.0
 
@@ -354,7 +354,11 @@ class _RabbitSender(_Sender):
         self.returned: str | None = None
 
     async def open(self) -> None:
-        self.conn = await raw_connect(self.topology.rabbitmq(self.cluster), self.vhost, name=self.cluster)
+        cluster = self.topology.rabbitmq(self.cluster)
+        if self.opts.url:  # e.g. a load balancer
+            via = cluster.brokers[0].model_copy(update={"url": self.opts.url})
+            cluster = cluster.model_copy(update={"brokers": [via]})
+        self.conn = await raw_connect(cluster, self.vhost, name=self.cluster)
         self.ch = await self.conn.channel()
         if self.opts.confirms:
             await self.ch.confirm_select()
@@ -381,8 +385,30 @@ class _RabbitSender(_Sender):
             self.record(row)
         self.space.set()
 
+    async def _reconnect(self) -> None:
+        """After the broker closed the connection (a node evacuated, restarted): connect again
+        and re-send every unconfirmed message under its own message_id (at least once)."""
+        resend = list(self.pending.values())
+        self.pending.clear()
+        self.inflight[0] -= len(resend)
+        deadline = time.monotonic() + self.opts.give_up_after
+        while True:
+            try:
+                await self.open()
+                break
+            except FerryError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        for row in resend:
+            self.retries += 1
+            await self.publish(row, payload_for(row["id"], row["size"]))
+
     async def publish(self, row: dict[str, Any], payload: bytes) -> None:
         from ferry.pipeline.rabbitmq import row_header
+
+        if self.conn.closed:
+            await self._reconnect()
 
         props = {"message_id": row["id"], "delivery_mode": 2, "headers": None}
         header = row_header(
@@ -391,7 +417,11 @@ class _RabbitSender(_Sender):
             len(payload),
         )
         key = row["subject"]
-        seq = self.ch.publish(self.opts.exchange or "", key, header, payload)
+        try:
+            seq = self.ch.publish(self.opts.exchange or "", key, header, payload)
+        except BrokerUnavailable:  # closed under us
+            await self._reconnect()
+            seq = self.ch.publish(self.opts.exchange or "", key, header, payload)
         if not self.opts.confirms:
             self.record(row)
             if seq % 256 == 0:

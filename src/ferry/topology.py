@@ -40,6 +40,7 @@ from ferry.errors import ConfigError, NotFound
 
 __all__ = [
     "Credentials",
+    "ErlangAccess",
     "NatsBroker",
     "NatsCluster",
     "RabbitBroker",
@@ -152,10 +153,37 @@ class NatsCluster(_Model):
         return [b.url for b in self.brokers]
 
 
+class ErlangAccess(_Model):
+    """How ferry reaches a RabbitMQ cluster's nodes with the Erlang CLI tools (``rabbitmqctl``,
+    ``rabbitmq-upgrade``), needed only to move quorum queue leaders during an evacuation or a
+    rebalance: where the Erlang cookie lives (never inline) and epmd's port."""
+
+    cookie_env: str | None = None
+    cookie_file: Path | None = None
+    epmd_port: int = Field(4369, gt=0, lt=65536)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ErlangAccess:
+        if bool(self.cookie_env) == bool(self.cookie_file):
+            raise ValueError("give cookie_env or cookie_file (exactly one)")
+        return self
+
+    def cookie(self) -> str:
+        if self.cookie_env:
+            if self.cookie_env not in os.environ:
+                raise ConfigError(f"Erlang cookie: environment variable {self.cookie_env} is not set")
+            return os.environ[self.cookie_env]
+        try:
+            return self.cookie_file.read_text().strip()  # type: ignore[union-attr]
+        except OSError as exc:
+            raise ConfigError(f"Erlang cookie file {self.cookie_file}: {exc.strerror}") from None
+
+
 class RabbitCluster(_Model):
     kind: Literal["rabbitmq"]
     brokers: list[RabbitBroker]
     credentials: Credentials | None = None
+    erlang: ErlangAccess | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
 

@@ -1,5 +1,6 @@
 """`ferry node evacuate` / `ferry cluster rebalance` / `ferry serve` on the lab super-cluster's
-east cluster, with clients connected through a real HAProxy checked against `ferry serve`."""
+east cluster and on the rabbit-cluster lab, with clients connected through a real HAProxy
+checked against `ferry serve`."""
 
 from __future__ import annotations
 
@@ -314,7 +315,7 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
     topology = supercluster.path / "topology.yaml"
     for args, needle in [
         (["cluster", "rebalance", "east", "--rel-conn-threshold", "1"], "must be > 1"),
-        (["node", "evacuate", "east-9"], "no NATS node 'east-9'"),
+        (["node", "evacuate", "east-9"], "no node 'east-9'"),
         (["node", "evacuate", "east-1", "--conn-evict-rate", "-5"], "--conn-evict-rate"),
         (["node", "evacuate", "east-1", "--migrate-to", "east-1"], "cannot include"),
         (["node", "stop", "east-3"], "no evacuation of east-3"),
@@ -351,3 +352,76 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         cli.kill()
         ferry("node", "stop", "east-3", topology=topology, check=True)
     wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-3").status_code == 200, 5, "200")
+
+
+def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leaders(
+    rabbit_cluster: lab.LabState, tmp_path: Path
+) -> None:
+    from ferry.lab.procs import port_open
+
+    state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
+    cluster = profile_topology(state).rabbitmq("rabbits")
+    nodes = [b.name for b in cluster.brokers]
+    first = cluster.brokers[0]
+    auth = (cluster.credentials.user, cluster.credentials.password())  # type: ignore[union-attr]
+    queues = [f"evac.q.{i}" for i in range(4)]
+    for name in queues:  # declared through rabbits-1: their leaders start there
+        r = httpx.put(
+            f"{first.management_url}/api/queues/%2F/{name}",
+            json={"durable": True, "arguments": {"x-queue-type": "quorum"}},
+            auth=auth,
+            timeout=10,
+        )
+        assert r.status_code in (201, 204), r.text
+
+    def mgmt(path: str) -> Any:  # through a node that stays up
+        return httpx.get(f"{cluster.brokers[1].management_url}/api{path}", auth=auth, timeout=10).json()
+
+    def leaders() -> dict[str, str]:
+        return {x["name"]: x.get("leader", "") for x in mgmt("/queues/%2F?columns=name,leader") if x["name"] in queues}
+
+    assert set(leaders().values()) == {first.node}
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    held = [n for n in nodes if n != first.name]
+    for n in held:  # HAProxy sends every client to rabbits-1
+        assert api(state, "POST", "/evacuations", json={"node": n, "wait_health_check": 3600}).status_code == 202
+    try:
+        wait_for(lambda: haproxy_up(state, "amqp_rabbits") == {n: n == first.name for n in nodes}, 15, "HAProxy")
+        args = ["load", "rabbitmq://rabbits/%2F", "--url", state.lb["clusters"]["rabbits"]["amqp"]]
+        args += ["--producers", "40", "--rate", "200", "--duration", "15", "--subject", "evac.q.{n}"]
+        args += ["--subjects", "4", "--ledger", str(tmp_path / "ledger")]
+        load = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def on_first() -> int:
+            return sum(1 for c in mgmt("/connections?columns=node") if c["node"] == first.node)
+
+        wait_for(lambda: on_first() >= 40, 30, "40 AMQP clients on rabbits-1")
+    finally:
+        for n in held:
+            api(state, "DELETE", f"/evacuations/{n}")
+    wait_for(lambda: all(haproxy_up(state, "amqp_rabbits").values()), 15, "HAProxy to see every node up")
+
+    args = ["node", "evacuate", first.name, "--wait-health-check", "3", "--conn-evict-rate", "20"]
+    args += ["--wait-takeover", "1", "--sess-evict-rate", "10", "--json"]
+    r = ferry(*args, topology=topology)
+    try:
+        assert r.returncode == 0, r.stderr[-2000:]
+        result, evs = json.loads(r.stdout), events(r.stderr)
+        t = {e["state"]: e["t"] for e in evs if e["event"] == "state"}
+        took = t["waiting_takeover"] - t["evicting_conns"]
+        n = result["evicted"]["connections"]
+        expected = (n - 1) / 20  # the first at once, then 20 per second
+        assert n >= 40 and expected * 0.8 <= took <= expected * 1.2 + 0.5, f"{n} connections in {took:.1f}s: {evs}"
+        assert result["now"]["connections"] == 0 and result["evicted"]["sessions"] >= len(queues), result
+        assert first.node not in set(leaders().values()), leaders()
+        assert not port_open(urllib.parse.urlsplit(first.url).port or 0)  # maintenance mode: no new clients at all
+        assert wait_for(lambda: not haproxy_up(state, "amqp_rabbits")[first.name], 5, "rabbits-1 out of HAProxy")
+        finish(load)
+    finally:
+        ferry("node", "stop", first.name, topology=topology)
+    assert port_open(urllib.parse.urlsplit(first.url).port or 0)  # revived
+    snap = tmp_path / "snap"
+    ferry("snapshot", "rabbitmq://rabbits/%2F/evac.q.*", "--out", str(snap), topology=topology, check=True)
+    a = audit(topology, tmp_path / "ledger", str(snap), tmp_path / "audit.html")
+    assert a["sent"] > 0 and a["lost"] == 0, a
+    wait_for(lambda: haproxy_up(state, "amqp_rabbits")[first.name], 10, "HAProxy to take rabbits-1 back")

@@ -194,26 +194,27 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
         for cluster in layout:
             site = cluster if profile == "rabbit-dr" else "dc"
             sites.setdefault(site, {"clusters": {}})["clusters"][cluster] = lab_rabbit.topology_cluster(  # type: ignore[index]
-                nodes, cluster, sdir
+                nodes, cluster, sdir, pdir, epmd_port
             )
     return sites
 
 
 def _add_haproxy(state: LabState, pdir: Path) -> None:
-    """`ferry serve` and HAProxy in front of every NATS cluster of the profile."""
+    """`ferry serve` and HAProxy in front of every cluster of the profile (NATS and MQTT, or AMQP and MQTT)."""
     from ferry.topology import load_topology
 
     topo = load_topology(pdir / "topology.yaml")
-    clusters = [(n, c) for _, n, c in topo.clusters() if c.kind == "nats"]
-    if not clusters:
-        raise ConfigError(f"lab {state.profile}: HAProxy fronts NATS clusters, and this profile has none")
+    clusters = [(n, c) for _, n, c in topo.clusters()]
     planned = {v for d in state.nats for srv in d for k, v in srv.items() if isinstance(v, int) and k != "index"}
+    planned |= {v for n in state.rabbit for k, v in n.items() if isinstance(v, int)}
     serve_port, stats_port, *lb_ports = free_ports(2 + 2 * len(clusters), exclude=planned)
     frontends, lb = [], {}
     for i, (name, cluster) in enumerate(clusters):
-        nats_port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
-        frontends += lab_haproxy.nats_frontends(name, cluster, f"127.0.0.1:{nats_port}", f"127.0.0.1:{mqtt_port}")  # type: ignore[arg-type]
-        lb[name] = {"nats": f"nats://127.0.0.1:{nats_port}", "mqtt": f"mqtt://127.0.0.1:{mqtt_port}"}
+        port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
+        scheme = "nats" if cluster.kind == "nats" else "amqp"
+        make = lab_haproxy.nats_frontends if cluster.kind == "nats" else lab_haproxy.rabbit_frontends
+        frontends += make(name, cluster, f"127.0.0.1:{port}", f"127.0.0.1:{mqtt_port}")  # type: ignore[operator]
+        lb[name] = {scheme: f"{scheme}://127.0.0.1:{port}", "mqtt": f"mqtt://127.0.0.1:{mqtt_port}"}
     d = pdir / "haproxy"
     d.mkdir()
     cfg = d / "haproxy.cfg"

@@ -1,7 +1,8 @@
 """HAProxy in front of a cluster's client ports, asking `ferry serve` which nodes may take new clients.
 
 Each server is checked in two steps (both must pass): the node's own health
-(NATS: ``GET /healthz`` on its monitoring port) and ferry's
+(NATS: ``GET /healthz`` on its monitoring port; RabbitMQ: ``GET /`` on its
+management port, which a node in maintenance mode stops answering) and ferry's
 ``GET /availability_check?node=<server name>`` — 503 while the node is evacuated
 or a rebalance donor. Server names must be the topology's node names.
 ``balance leastconn`` sends reconnecting clients to the emptiest node, and the
@@ -15,14 +16,15 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError
-from ferry.topology import NatsCluster
+from ferry.topology import NatsCluster, RabbitCluster
 
 
 @dataclass
 class Frontend:
     name: str  # e.g. nats_east
     bind: str  # host:port
-    servers: list[tuple[str, str, int]]  # node name, client host:port, monitor port
+    servers: list[tuple[str, str, int]]  # node name, client host:port, health-check port
+    check_uri: str = "/healthz"
 
 
 def haproxy_binary() -> str:
@@ -32,12 +34,30 @@ def haproxy_binary() -> str:
     return found
 
 
+def _hostport(url: str) -> str:
+    u = urlsplit(url)
+    return f"{u.hostname}:{u.port}"
+
+
+def rabbit_frontends(name: str, cluster: RabbitCluster, amqp_bind: str, mqtt_bind: str | None) -> list[Frontend]:
+    """The AMQP (and MQTT) frontends of one RabbitMQ cluster, checked on each node's management port."""
+
+    def servers(kind: str) -> list[tuple[str, str, int]]:
+        return [
+            (b.name, _hostport(b.url if kind == "amqp" else b.mqtt_url), urlsplit(b.management_url).port or 15672)  # type: ignore[arg-type]
+            for b in cluster.brokers
+            if kind == "amqp" or b.mqtt_url
+        ]
+
+    out = [Frontend(f"amqp_{name}", amqp_bind, servers("amqp"), check_uri="/")]
+    if mqtt_bind and servers("mqtt"):
+        out.append(Frontend(f"mqtt_{name}", mqtt_bind, servers("mqtt"), check_uri="/"))
+    return out
+
+
 def nats_frontends(name: str, cluster: NatsCluster, nats_bind: str, mqtt_bind: str | None) -> list[Frontend]:
     """The NATS (and MQTT) frontends of one cluster from its topology entry."""
-
-    def hostport(url: str) -> str:
-        u = urlsplit(url)
-        return f"{u.hostname}:{u.port}"
+    hostport = _hostport
 
     def monitor_port(url: str | None) -> int:
         if not url:
@@ -81,7 +101,7 @@ def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None)
             "  option httpchk",
             "  # 1. the node itself is healthy",
             "  http-check connect",
-            "  http-check send meth GET uri /healthz",
+            f"  http-check send meth GET uri {f.check_uri}",
             "  http-check expect status 200",
             "  # 2. ferry says it may take new clients (503 while evacuated or a rebalance donor)",
             f"  http-check connect addr {serve_host} port {serve_port}",

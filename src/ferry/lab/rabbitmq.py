@@ -187,10 +187,13 @@ def plugins(proc: Proc, *args: str) -> None:
         raise FerryError(f"rabbitmq-plugins {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
 
 
-def topology_cluster(nodes: list[RabbitNode], cluster: str, secrets_dir: Path) -> dict[str, object]:
+def topology_cluster(
+    nodes: list[RabbitNode], cluster: str, secrets_dir: Path, root: Path, epmd_port: int
+) -> dict[str, object]:
     return {
         "kind": "rabbitmq",
         "credentials": {"user": ADMIN_USER, "password_file": str(secrets_dir / "rabbitmq")},
+        "erlang": {"cookie_file": str(root / ".erlang.cookie"), "epmd_port": epmd_port},
         "brokers": [
             {
                 "name": n.name,

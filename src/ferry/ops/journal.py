@@ -52,17 +52,19 @@ def owner_alive(state: dict[str, Any], stale_after: float = 10.0) -> bool:
 class Journal:
     """One operation's state under ``key`` in ``ferry_ops``."""
 
-    def __init__(self, nc: Client, key: str, stale_after: float = 10.0) -> None:
-        self.nc, self.key, self.stale_after = nc, key, stale_after
+    def __init__(self, nc: Client, key: str, stale_after: float = 10.0, replicas: int = 1) -> None:
+        self.nc, self.key, self.stale_after, self.replicas = nc, key, stale_after, replicas
         self.kv: Any = None
         self.revision = 0
         self.state: dict[str, Any] = {}
 
-    async def open(self, replicas: int) -> dict[str, Any] | None:
+    async def open(self) -> dict[str, Any] | None:
         """Open the bucket; the key's current state, or None."""
         from nats.js.errors import KeyNotFoundError
 
-        self.kv = await bucket(self.nc, replicas)
+        self.kv = await bucket(self.nc, self.replicas)
+        if not self.key:  # the bucket only (for get and keys)
+            return None
         try:
             entry = await self.kv.get(self.key)
         except KeyNotFoundError:
@@ -71,6 +73,26 @@ class Journal:
             return None
         self.revision = entry.revision
         return json.loads(entry.value)
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        """Another key's state (the bucket is open)."""
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return json.loads(entry.value) if entry.value else None
+
+    async def keys(self, patterns: list[str]) -> list[str]:
+        """Keys matching NATS subject patterns, from the stream's own per-subject counts: nats-py's
+        `kv.keys()` can end before its entries arrive (seen with a key updated every second)."""
+        prefix = f"$KV.{BUCKET}."
+        out: list[str] = []
+        for pattern in patterns:
+            info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
+            out += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+        return out
 
     @staticmethod
     def owner() -> dict[str, Any]:
@@ -96,3 +118,54 @@ class Journal:
     async def delete(self) -> None:
         await self.kv.delete(self.key)
         self.revision = 0
+
+
+class ParamJournal:
+    """The same contract on a RabbitMQ cluster: the global parameter ``ferry-ops.<key>``, through the
+    management API. It has no compare-and-set, so each save re-reads the parameter first and refuses
+    when it was deleted (stopped) or another live ferry owns it; the race left is one HTTP round trip."""
+
+    PREFIX = "ferry-ops."
+
+    def __init__(self, m: Any, key: str, stale_after: float = 10.0) -> None:
+        self.m, self.key, self.stale_after = m, key, stale_after
+        self.saved = False
+        self.state: dict[str, Any] = {}
+
+    def _path(self, key: str) -> str:
+        from urllib.parse import quote
+
+        return f"/global-parameters/{quote(self.PREFIX + key, safe='')}"
+
+    async def open(self) -> dict[str, Any] | None:
+        return await self.get(self.key) if self.key else None
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        got = await self.m.get(self._path(key), ok404=True)
+        value = (got or {}).get("value")
+        return value if isinstance(value, dict) and value else None
+
+    async def keys(self, patterns: list[str]) -> list[str]:
+        """Keys matching NATS-style patterns (``*`` one token, ``>`` the rest)."""
+        from ferry.subjects import matches
+
+        names = [p["name"].removeprefix(self.PREFIX) for p in await self.m.get("/global-parameters") or []]
+        return [n for n in names if any(matches(pat, n) for pat in patterns)]
+
+    def owner_alive(self, state: dict[str, Any]) -> bool:
+        return owner_alive(state, self.stale_after)
+
+    async def save(self, release: bool = False, **changes: Any) -> None:
+        current = await self.get(self.key)
+        mine = Journal.owner()
+        if self.saved and current is None:
+            raise Conflict(f"{self.key} was deleted (stopped)")
+        if current and current.get("owner") not in (None, mine) and owner_alive(current, self.stale_after):
+            raise Conflict(f"{self.key} was taken over by another ferry")
+        self.state.update(changes, owner=None if release else mine, heartbeat=time.time())
+        await self.m.put(self._path(self.key), {"name": self.PREFIX + self.key, "value": self.state})
+        self.saved = True
+
+    async def delete(self) -> None:
+        await self.m.delete(self._path(self.key))
+        self.saved = False

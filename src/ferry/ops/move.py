@@ -601,9 +601,9 @@ async def move(
         bnats.session(cluster, system=True, client_name="ferry-move-sys") as sysnc,
     ):
         await _led_stream_info(nc, req.stream)  # a leaderless stream is refused before the journal is touched
-        journal = Journal(nc, f"move.{req.stream}")
+        journal = Journal(nc, f"move.{req.stream}", replicas=min(3, len(cluster.brokers)))
         try:
-            prior = await journal.open(replicas=min(3, len(cluster.brokers)))
+            prior = await journal.open()
         except (NatsTimeout, TimeoutError):
             raise BrokerUnavailable(f"the journal bucket {BUCKET} did not answer; JetStream unavailable?") from None
         resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))

@@ -43,20 +43,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
-from nats.aio.client import Client
 from pydantic import BaseModel, Field, field_validator
 
-from ferry.brokers import nats as bnats
-from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.errors import Conflict, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
-from ferry.ops.journal import BUCKET, Journal, bucket, owner_alive
-from ferry.topology import NatsCluster, Topology
+from ferry.ops.journal import Journal, ParamJournal, owner_alive
+from ferry.ops.nodes import STALE_AFTER, NatsNodes, NodeView, RabbitNodes, open_nodes
+from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 __all__ = [
     "STATES",
@@ -72,9 +69,7 @@ __all__ = [
 ]
 
 STATES = ("waiting_health_check", "evicting_conns", "waiting_takeover", "evicting_sessions", "prohibiting")
-CONTROL = "ferry-ctl"  # connection-name prefix of ferry's own control connections: never evicted
 TICK = 0.1  # seconds between eviction steps
-STALE_AFTER = 5.0  # seconds without a heartbeat before another ferry adopts an operation
 RETRY_AFTER = 5.0  # seconds before an evicted connection or moved leader still there is tried again
 
 
@@ -181,182 +176,25 @@ class RebalanceRequest(Rates):
         return v
 
 
-# -- what a NATS node holds, and how to move it --------------------------------------------------------
+Nodes = NatsNodes | RabbitNodes
+AnyJournal = Journal | ParamJournal
 
 
-@dataclass
-class Asset:
-    """A JetStream stream or consumer (a Raft group) as one server sees it."""
-
-    account: str
-    stream: str
-    consumer: str | None
-    leader: str
-    peers: list[str]
-
-    @property
-    def label(self) -> str:
-        return f"{self.account}/{self.stream}" + (f"/{self.consumer}" if self.consumer else "")
-
-
-@dataclass
-class NodeView:
-    name: str
-    up: bool = False
-    error: str = ""
-    server_id: str = ""
-    conns: list[dict] = field(default_factory=list)
-    assets: list[Asset] = field(default_factory=list)
-
-    @property
-    def leaders(self) -> list[Asset]:
-        return [a for a in self.assets if a.leader == self.name]
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "node": self.name,
-            "up": self.up,
-            "connections": len(self.conns),
-            "mqtt": sum(1 for c in self.conns if c.get("mqtt_client")),
-            "sessions": len(self.leaders),
-            "replicas": len(self.assets) - len(self.leaders),
-            **({"error": self.error} if self.error else {}),
-        }
-
-
-class NatsNodes:
-    """Counts and moves for the servers of one NATS cluster, through its monitoring
-    endpoints (connz, jsz), the system account (KICK) and the JetStream API."""
-
-    def __init__(self, name: str, cluster: NatsCluster, avoid: list[str]) -> None:
-        self.name, self.cluster = name, cluster
-        self.brokers = {b.name: b for b in cluster.brokers}
-        self.avoid = avoid
-        self.nc: Client | None = None
-        self.sysnc: Client | None = None
-        self.account = ""
-
-    async def __aenter__(self) -> NatsNodes:
-        # nodes being emptied go last: ferry's own connections should not sit there
-        urls = [b.url for b in self.cluster.brokers if b.name not in self.avoid] + [
-            b.url for b in self.cluster.brokers if b.name in self.avoid
-        ]
-        opts = {"name": self.name, "urls": urls, "dont_randomize": True}
-        self.nc = await bnats.connect(self.cluster, client_name=f"{CONTROL}-{self.name}", **opts)
-        try:
-            self.sysnc = await bnats.connect(
-                self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
-            )
-            info = await bnats.sys_request(self.nc, "$SYS.REQ.USER.INFO", timeout=5)
-            self.account = ((info.get("data") or {}).get("account")) or ""
-        except BaseException:
-            await self.nc.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for c in (self.nc, self.sysnc):
-            if c:
-                with contextlib.suppress(Exception):
-                    await c.close()
-
-    def check(self, names: list[str], what: str) -> None:
-        unknown = [n for n in names if n not in self.brokers]
-        if unknown:
-            raise NotFound(
-                f"{what}: no node {', '.join(unknown)} in cluster {self.name!r} (has {', '.join(self.brokers)})"
-            )
-
-    async def view(self, node: str, jetstream: bool = True) -> NodeView:
-        b = self.brokers[node]
-        v = NodeView(node)
-        if not b.monitor_url:
-            v.error = "no monitor_url in the topology"
-            return v
-        try:
-            connz = await bnats.monitor_get(b.monitor_url, "connz", timeout=3, auth="true", limit=1_000_000)
-            jsz = (
-                await bnats.monitor_get(
-                    b.monitor_url, "jsz", timeout=3, accounts="true", streams="true", consumers="true", config="false"
-                )
-                if jetstream
-                else {}
-            )
-        except Exception as exc:  # any failure means the node is not answering
-            v.error = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
-            return v
-        v.up, v.server_id = True, connz.get("server_id", "")
-        v.conns = [c for c in connz.get("connections") or [] if not str(c.get("name", "")).startswith(CONTROL)]
-        for acc in jsz.get("account_details") or []:
-            for s in acc.get("stream_detail") or []:
-                cl = s.get("cluster") or {}
-                peers = [cl.get("leader", "")] + [r["name"] for r in cl.get("replicas") or []]
-                v.assets.append(Asset(acc["name"], s["name"], None, cl.get("leader", ""), [p for p in peers if p]))
-                for c in s.get("consumer_detail") or []:
-                    ccl = c.get("cluster") or {}
-                    cpeers = [ccl.get("leader", "")] + [r["name"] for r in ccl.get("replicas") or []]
-                    v.assets.append(
-                        Asset(acc["name"], s["name"], c["name"], ccl.get("leader", ""), [p for p in cpeers if p])
-                    )
-        return v
-
-    async def views(self, nodes: list[str], jetstream: bool = True) -> dict[str, NodeView]:
-        got = await asyncio.gather(*(self.view(n, jetstream) for n in nodes))
-        return {v.name: v for v in got}
-
-    async def kick(self, view: NodeView, cid: int) -> bool:
-        assert self.sysnc
-        try:
-            r = await bnats.sys_request(self.sysnc, f"$SYS.REQ.SERVER.{view.server_id}.KICK", {"cid": cid}, timeout=2)
-        except BrokerUnavailable:
-            return False
-        return not r.get("error")
-
-    def movable(self, a: Asset) -> bool:
-        return a.account == self.account and len(a.peers) > 1
-
-    async def step_down(self, a: Asset, preferred: str | None) -> str:
-        """Ask the group's leader to hand over (to `preferred` when given); '' or the error."""
-        assert self.nc
-        subject = (
-            f"$JS.API.CONSUMER.LEADER.STEPDOWN.{a.stream}.{a.consumer}"
-            if a.consumer
-            else f"$JS.API.STREAM.LEADER.STEPDOWN.{a.stream}"
-        )
-        body = {"placement": {"preferred": preferred}} if preferred else b""
-        try:
-            r = await bnats.sys_request(self.nc, subject, body, timeout=3)
-        except BrokerUnavailable as exc:
-            return str(exc)
-        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
-
-    async def peer_remove(self, a: Asset, node: str) -> str:
-        assert self.nc
-        try:
-            r = await bnats.sys_request(self.nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
-        except BrokerUnavailable as exc:
-            return str(exc)
-        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
-
-
-def _resolve(topo: Topology, node: str, cluster: str) -> tuple[str, NatsCluster]:
+def _resolve(topo: Topology, node: str, cluster: str) -> tuple[str, NatsCluster | RabbitCluster]:
     if cluster:
-        c = topo.nats(cluster)
-        return cluster, c
-    found = [
-        (n, c) for _, n, c in topo.clusters() if isinstance(c, NatsCluster) and node in {b.name for b in c.brokers}
-    ]
+        return cluster, topo.cluster(cluster)
+    found = [(n, c) for _, n, c in topo.clusters() if node in {b.name for b in c.brokers}]
     if not found:
-        raise NotFound(f"no NATS node {node!r} in the topology")
+        raise NotFound(f"no node {node!r} in the topology")
     if len(found) > 1:
         raise UsageError(f"node {node!r} is in clusters {', '.join(n for n, _ in found)}; say which with --cluster")
     return found[0]
 
 
-async def _claim(nodes: NatsNodes, key: str, what: str, hint: str = "") -> tuple[Journal, dict[str, Any] | None]:
+async def _claim(nodes: Nodes, key: str, what: str, hint: str = "") -> tuple[AnyJournal, dict[str, Any] | None]:
     """The operation's journal, holding its state when resuming; refused while another live ferry drives it."""
-    journal = Journal(nodes.nc, key, stale_after=STALE_AFTER)  # type: ignore[arg-type]
-    prior = await journal.open(replicas=min(3, len(nodes.brokers)))
+    journal = nodes.journal(key)
+    prior = await journal.open()
     if prior and journal.owner_alive(prior):
         o = prior.get("owner") or {}
         raise Conflict(
@@ -391,7 +229,7 @@ def unavailable(states: dict[str, dict[str, Any]], cluster: str, node: str) -> s
 class _Driver:
     """Runs an operation's states, saving the journal at least every second (the heartbeat)."""
 
-    def __init__(self, nodes: NatsNodes, journal: Journal, emit: Emit, stop: asyncio.Event | None) -> None:
+    def __init__(self, nodes: Nodes, journal: AnyJournal, emit: Emit, stop: asyncio.Event | None) -> None:
         self.nodes, self.journal, self.emit = nodes, journal, emit
         self.stop = stop or asyncio.Event()
         self.saved = 0.0
@@ -416,7 +254,7 @@ class _Driver:
         try:
             result = await steps
         except Conflict:
-            if not await _get(self.journal.kv, self.journal.key):
+            if not await self.journal.get(self.journal.key):
                 return None, {**_public(self.st), "outcome": "stopped"}
             raise
         if self.stop.is_set():
@@ -455,20 +293,18 @@ class _Driver:
         n = pacer.take(len(todo) if limit is None else min(len(todo), limit))
         for a in todo[n:]:
             self.tried.pop(f"lead:{a.label}")
-        moved = 0
+        moves = []
         for a in todo[:n]:
             options = [p for p in a.peers if p in targets and p != view.name]
             preferred = min(options, key=lambda p: load.get(p, 0)) if options else None
-            err = await self.nodes.step_down(a, preferred)
-            if err and preferred:  # the preferred peer may be behind: let the group choose
-                err = await self.nodes.step_down(a, None)
-            if not err:
-                moved += 1
-                if preferred:
-                    load[preferred] = load.get(preferred, 0) + 1
-            else:
+            if preferred:
+                load[preferred] = load.get(preferred, 0) + 1
+            moves.append((a, preferred))
+        errors = await self.nodes.step_down_many(moves)
+        for (a, _), err in zip(moves, errors, strict=True):
+            if err:
                 self.emit("warning", message=f"{a.label}: step-down refused: {err}")
-        return moved, kept
+        return sum(1 for err in errors if not err), kept
 
 
 # -- evacuation ------------------------------------------------------------------------------------------
@@ -480,7 +316,7 @@ async def evacuate(
     """Start or resume the evacuation of `req.node`; returns once it is prohibiting
     (or, with `hold`, once stopped). Raises having changed nothing when refused."""
     cname, cluster = _resolve(topo, req.node, req.cluster)
-    async with NatsNodes(cname, cluster, avoid=[req.node]) as nodes:
+    async with open_nodes(cname, cluster, avoid=[req.node]) as nodes:
         nodes.check([req.node], "node")
         nodes.check(req.migrate_to, "--migrate-to")
         if req.node in req.migrate_to:
@@ -501,9 +337,9 @@ async def evacuate(
         return await _run_evacuation(_Driver(nodes, journal, emit, stop), hold)
 
 
-async def _evacuation_plan(nodes: NatsNodes, journal: Journal, cname: str, req: EvacuateRequest) -> dict[str, Any]:
+async def _evacuation_plan(nodes: Nodes, journal: AnyJournal, cname: str, req: EvacuateRequest) -> dict[str, Any]:
     others = [n for n in nodes.brokers if n != req.node]
-    rb = await _get(journal.kv, rebalance_key(cname))
+    rb = await journal.get(rebalance_key(cname))
     if rb and req.node in rb.get("nodes", []):
         raise Conflict(f"a rebalance of cluster {cname!r} involving {req.node} is running; stop it first")
     views = await nodes.views([req.node, *others])
@@ -537,6 +373,7 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
     st, node, nodes = d.st, d.st["node"], d.nodes
     rates = st["rates"]
     conn_pacer, sess_pacer = Pacer(rates["conn_evict_rate"]), Pacer(rates["sess_evict_rate"])
+    prohibited = False
     while not d.stop.is_set():
         state = st["state"]
         if state == "waiting_health_check":
@@ -565,6 +402,8 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
                 await d.enter("evicting_sessions")
         elif state == "evicting_sessions":
             if await _evict_sessions(d, sess_pacer):
+                await nodes.prohibit(node)
+                prohibited = True
                 await d.enter("prohibiting")
                 if not hold:
                     await d.journal.save(release=True)
@@ -572,6 +411,9 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
             await d.save()
             await asyncio.sleep(TICK)
         else:  # prohibiting: whatever comes back is moved off again
+            if not prohibited:
+                await nodes.prohibit(node)
+                prohibited = True
             v = await nodes.view(node)
             if v.up:
                 n = await d.evict_conns(v, conn_pacer)
@@ -597,7 +439,11 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
     replicas = [
         a
         for a in v.assets
-        if a.consumer is None and a.leader != node and nodes.movable(a) and set(spare) - set(a.peers)
+        if nodes.moves_replicas
+        and a.consumer is None
+        and a.leader != node
+        and nodes.movable(a)
+        and set(spare) - set(a.peers)
     ]
     removed = 0
     for a in replicas[: pacer.take(len(replicas))]:
@@ -621,16 +467,6 @@ def _public(st: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in st.items() if k not in ("owner", "heartbeat")}
 
 
-async def _get(kv: Any, key: str) -> dict[str, Any] | None:
-    from nats.js.errors import KeyNotFoundError
-
-    try:
-        entry = await kv.get(key)
-    except KeyNotFoundError:
-        return None
-    return json.loads(entry.value) if entry.value else None
-
-
 # -- rebalance -----------------------------------------------------------------------------------------
 
 
@@ -638,11 +474,11 @@ async def rebalance(
     topo: Topology, req: RebalanceRequest, emit: Emit = no_emit, stop: asyncio.Event | None = None
 ) -> dict[str, Any]:
     """Propose (and with `execute`, carry out) a rebalance of `req.cluster`."""
-    cluster = topo.nats(req.cluster)
+    cluster = topo.cluster(req.cluster)
     names = req.nodes or [b.name for b in cluster.brokers]
     if len(names) < 2:
         raise UsageError("a rebalance needs at least two nodes")
-    async with NatsNodes(req.cluster, cluster, avoid=[]) as nodes:
+    async with open_nodes(req.cluster, cluster, avoid=[]) as nodes:
         nodes.check(names, "--nodes")
         journal, prior = await _claim(nodes, rebalance_key(req.cluster), f"a rebalance of {req.cluster}")
         if prior:
@@ -659,11 +495,9 @@ async def rebalance(
         return await _run_rebalance(_Driver(nodes, journal, emit, stop))
 
 
-async def _rebalance_plan(
-    nodes: NatsNodes, journal: Journal, req: RebalanceRequest, names: list[str]
-) -> dict[str, Any]:
+async def _rebalance_plan(nodes: Nodes, journal: AnyJournal, req: RebalanceRequest, names: list[str]) -> dict[str, Any]:
     for name in names:
-        ev = await _get(journal.kv, evacuation_key(req.cluster, name))
+        ev = await journal.get(evacuation_key(req.cluster, name))
         if ev:
             raise Conflict(f"node {name} is being evacuated ({ev.get('state')}); stop that first")
     views = await nodes.views(names)
@@ -776,20 +610,13 @@ async def _rebalance_steps(d: _Driver) -> str:
 # -- status and stop ---------------------------------------------------------------------------------------
 
 
-async def states(cluster: NatsCluster, name: str) -> dict[str, dict[str, Any]]:
-    """Every evacuation and rebalance journaled for NATS cluster `name`, by key.
-
-    Keys come from the stream's own per-subject counts, not `kv.keys()`: nats-py's
-    key listing can end before the entries arrive (seen with a key updated every second).
-    """
-    prefix = f"$KV.{BUCKET}."
-    async with bnats.session(cluster, client_name=f"{CONTROL}-status") as nc:
-        kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
-        keys: list[str] = []
-        for pattern in (f"evacuation.{name}.>", rebalance_key(name)):
-            info = await nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
-            keys += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
-        return {k: st for k in keys if (st := await _get(kv, k))}
+async def states(cluster: NatsCluster | RabbitCluster, name: str) -> dict[str, dict[str, Any]]:
+    """Every evacuation and rebalance journaled for cluster `name`, by key."""
+    async with open_nodes(name, cluster, avoid=[]) as nodes:
+        journal = nodes.journal("")
+        await journal.open()
+        keys = await journal.keys([f"evacuation.{name}.>", rebalance_key(name)])
+        return {k: st for k in keys if (st := await journal.get(k))}
 
 
 async def node_status(topo: Topology, node: str | None = None, cluster: str = "") -> list[dict[str, Any]]:
@@ -797,16 +624,14 @@ async def node_status(topo: Topology, node: str | None = None, cluster: str = ""
     if node:
         clusters = [_resolve(topo, node, cluster)]
     else:
-        clusters = [
-            (n, c) for _, n, c in topo.clusters() if isinstance(c, NatsCluster) and (not cluster or n == cluster)
-        ]
+        clusters = [(n, c) for _, n, c in topo.clusters() if not cluster or n == cluster]
     rows = []
     for cname, c in clusters:
         found = await states(c, cname)
         evacs = [st for k, st in found.items() if k.startswith("evacuation.") and (not node or st["node"] == node)]
         if not evacs and not node:
             continue
-        async with NatsNodes(cname, c, avoid=[]) as nodes:
+        async with open_nodes(cname, c, avoid=[]) as nodes:
             for st in evacs:
                 now = await nodes.view(st["node"])
                 alive = owner_alive(st, STALE_AFTER)
@@ -818,12 +643,14 @@ async def node_status(topo: Topology, node: str | None = None, cluster: str = ""
 
 async def stop(topo: Topology, key_cluster: str, node: str | None) -> dict[str, Any]:
     """`ferry node stop NODE` / `ferry cluster stop CLUSTER`: end the operation; the node(s) return to service."""
-    cname, cluster = _resolve(topo, node, key_cluster) if node else (key_cluster, topo.nats(key_cluster))
+    cname, cluster = _resolve(topo, node, key_cluster) if node else (key_cluster, topo.cluster(key_cluster))
     key = evacuation_key(cname, node) if node else rebalance_key(cname)
-    async with bnats.session(cluster, client_name=f"{CONTROL}-stop") as nc:
-        kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
-        st = await _get(kv, key)
+    async with open_nodes(cname, cluster, avoid=[]) as nodes:
+        journal = nodes.journal(key)
+        st = await journal.open()
         if not st:
             raise NotFound(f"no {'evacuation of ' + node if node else 'rebalance of ' + cname} is running")
-        await kv.delete(key)
+        await journal.delete()
+        if node and st.get("state") == "prohibiting":
+            await nodes.allow(node)
     return {**_public(st), "outcome": "stopped"}

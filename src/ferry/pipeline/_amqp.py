@@ -428,7 +428,10 @@ class Connection:
             return
         if channel == 0:
             if isinstance(method, commands.Connection.Close):
-                self.write(frame.marshal(commands.Connection.CloseOk(), 0))
+                with contextlib.suppress(Exception):  # answer and hang up at once, or the broker waits for us
+                    self._flush()
+                    self.writer.write(frame.marshal(commands.Connection.CloseOk(), 0))
+                    self.writer.close()
                 if self._handshake.empty():
                     self._handshake.put_nowait(method)
                 self._fail(f"closed by the broker: {method.reply_text}")

@@ -1,0 +1,405 @@
+"""What a node of a NATS or RabbitMQ cluster holds, and how to move it off: the two backends of
+`ferry node evacuate` and `ferry cluster rebalance` (the state machines are in ``rebalance.py``).
+
+Both answer the same questions: a node's client connections and its "sessions"
+(NATS: JetStream stream and consumer Raft groups; RabbitMQ: quorum queues, and
+classic queues, which stay), and both move them: close a connection, hand a
+leader to a preferred peer, and switch a node's intake off and on again.
+
+- **NATS**: connz and jsz on each server's monitoring port; connections closed with
+  the system account's ``$SYS.REQ.SERVER.<id>.KICK``; leaders step down with
+  ``placement.preferred``; replicas move with a peer-remove. The journal is the
+  cluster's ``ferry_ops`` KV bucket.
+- **RabbitMQ**: connections and queues from the management API; connections closed
+  with ``DELETE /api/connections/<name>`` and an ``X-Reason``; quorum queue leaders
+  moved with ``rabbit_quorum_queue:transfer_leadership/2`` through ``rabbitmqctl eval``;
+  a prohibited node is put in maintenance mode (``rabbitmq-upgrade drain``: listeners
+  suspended, so it takes no client at all) and ``revive``d at stop. The Erlang CLI needs
+  the topology's ``erlang`` block (cookie and epmd port). Classic queues and quorum
+  queue followers stay where they are (reported as kept). The journal is a global
+  parameter on the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from nats.aio.client import Client
+
+from ferry.brokers import nats as bnats
+from ferry.brokers.rabbitmq import Management, q
+from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
+from ferry.ops.journal import Journal, ParamJournal
+from ferry.topology import NatsCluster, RabbitCluster
+
+CONTROL = "ferry-ctl"  # connection-name prefix of ferry's own control connections: never evicted
+STALE_AFTER = 5.0  # seconds without a heartbeat before another ferry adopts an operation
+
+
+@dataclass
+class Asset:
+    """A JetStream stream or consumer (a Raft group) as one server sees it."""
+
+    account: str
+    stream: str
+    consumer: str | None
+    leader: str
+    peers: list[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.account}/{self.stream}" + (f"/{self.consumer}" if self.consumer else "")
+
+
+@dataclass
+class NodeView:
+    name: str
+    up: bool = False
+    error: str = ""
+    server_id: str = ""
+    conns: list[dict] = field(default_factory=list)
+    assets: list[Asset] = field(default_factory=list)
+
+    @property
+    def leaders(self) -> list[Asset]:
+        return [a for a in self.assets if a.leader == self.name]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "node": self.name,
+            "up": self.up,
+            "connections": len(self.conns),
+            "mqtt": sum(1 for c in self.conns if c.get("mqtt_client")),
+            "sessions": len(self.leaders),
+            "replicas": len(self.assets) - len(self.leaders),
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+class _Nodes:
+    name: str
+    brokers: dict[str, Any]
+
+    async def view(self, node: str, jetstream: bool = True) -> NodeView:
+        raise NotImplementedError
+
+    def check(self, names: list[str], what: str) -> None:
+        unknown = [n for n in names if n not in self.brokers]
+        if unknown:
+            raise NotFound(
+                f"{what}: no node {', '.join(unknown)} in cluster {self.name!r} (has {', '.join(self.brokers)})"
+            )
+
+    async def views(self, nodes: list[str], jetstream: bool = True) -> dict[str, NodeView]:
+        got = await asyncio.gather(*(self.view(n, jetstream) for n in nodes))
+        return {v.name: v for v in got}
+
+
+class NatsNodes(_Nodes):
+    """Counts and moves for the servers of one NATS cluster, through its monitoring
+    endpoints (connz, jsz), the system account (KICK) and the JetStream API."""
+
+    moves_replicas = True  # stream replicas leave with a peer-remove (the cluster picks a spare server)
+
+    def __init__(self, name: str, cluster: NatsCluster, avoid: list[str]) -> None:
+        self.name, self.cluster = name, cluster
+        self.brokers = {b.name: b for b in cluster.brokers}
+        self.avoid = avoid
+        self.nc: Client | None = None
+        self.sysnc: Client | None = None
+        self.account = ""
+
+    async def __aenter__(self) -> NatsNodes:
+        # nodes being emptied go last: ferry's own connections should not sit there
+        urls = [b.url for b in self.cluster.brokers if b.name not in self.avoid] + [
+            b.url for b in self.cluster.brokers if b.name in self.avoid
+        ]
+        opts = {"name": self.name, "urls": urls, "dont_randomize": True}
+        self.nc = await bnats.connect(self.cluster, client_name=f"{CONTROL}-{self.name}", **opts)
+        try:
+            self.sysnc = await bnats.connect(
+                self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
+            )
+            info = await bnats.sys_request(self.nc, "$SYS.REQ.USER.INFO", timeout=5)
+            self.account = ((info.get("data") or {}).get("account")) or ""
+        except BaseException:
+            await self.nc.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in (self.nc, self.sysnc):
+            if c:
+                with contextlib.suppress(Exception):
+                    await c.close()
+
+    async def view(self, node: str, jetstream: bool = True) -> NodeView:
+        b = self.brokers[node]
+        v = NodeView(node)
+        if not b.monitor_url:
+            v.error = "no monitor_url in the topology"
+            return v
+        try:
+            connz = await bnats.monitor_get(b.monitor_url, "connz", timeout=3, auth="true", limit=1_000_000)
+            jsz = (
+                await bnats.monitor_get(
+                    b.monitor_url, "jsz", timeout=3, accounts="true", streams="true", consumers="true", config="false"
+                )
+                if jetstream
+                else {}
+            )
+        except Exception as exc:  # any failure means the node is not answering
+            v.error = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
+            return v
+        v.up, v.server_id = True, connz.get("server_id", "")
+        v.conns = [c for c in connz.get("connections") or [] if not str(c.get("name", "")).startswith(CONTROL)]
+        for acc in jsz.get("account_details") or []:
+            for s in acc.get("stream_detail") or []:
+                cl = s.get("cluster") or {}
+                peers = [cl.get("leader", "")] + [r["name"] for r in cl.get("replicas") or []]
+                v.assets.append(Asset(acc["name"], s["name"], None, cl.get("leader", ""), [p for p in peers if p]))
+                for c in s.get("consumer_detail") or []:
+                    ccl = c.get("cluster") or {}
+                    cpeers = [ccl.get("leader", "")] + [r["name"] for r in ccl.get("replicas") or []]
+                    v.assets.append(
+                        Asset(acc["name"], s["name"], c["name"], ccl.get("leader", ""), [p for p in cpeers if p])
+                    )
+        return v
+
+    async def kick(self, view: NodeView, cid: int) -> bool:
+        assert self.sysnc
+        try:
+            r = await bnats.sys_request(self.sysnc, f"$SYS.REQ.SERVER.{view.server_id}.KICK", {"cid": cid}, timeout=2)
+        except BrokerUnavailable:
+            return False
+        return not r.get("error")
+
+    def journal(self, key: str) -> Journal:
+        assert self.nc
+        return Journal(self.nc, key, stale_after=STALE_AFTER, replicas=min(3, len(self.brokers)))
+
+    def movable(self, a: Asset) -> bool:
+        return a.account == self.account and len(a.peers) > 1
+
+    async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
+        """Each leader steps down towards its preferred peer, else wherever its group chooses; '' or the error."""
+        errors = []
+        for a, preferred in moves:
+            err = await self.step_down(a, preferred)
+            if err and preferred:  # the preferred peer may be behind: let the group choose
+                err = await self.step_down(a, None)
+            errors.append(err)
+        return errors
+
+    async def prohibit(self, node: str) -> None:
+        """Nothing to switch on a NATS server: the prohibiting state kicks whatever comes back."""
+
+    async def allow(self, node: str) -> None:
+        """Nothing to switch back."""
+
+    async def step_down(self, a: Asset, preferred: str | None) -> str:
+        """Ask the group's leader to hand over (to `preferred` when given); '' or the error."""
+        assert self.nc
+        subject = (
+            f"$JS.API.CONSUMER.LEADER.STEPDOWN.{a.stream}.{a.consumer}"
+            if a.consumer
+            else f"$JS.API.STREAM.LEADER.STEPDOWN.{a.stream}"
+        )
+        body = {"placement": {"preferred": preferred}} if preferred else b""
+        try:
+            r = await bnats.sys_request(self.nc, subject, body, timeout=3)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+    async def peer_remove(self, a: Asset, node: str) -> str:
+        assert self.nc
+        try:
+            r = await bnats.sys_request(self.nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+
+class RabbitNodes(_Nodes):
+    """Counts and moves for the nodes of one RabbitMQ cluster (see the module docstring)."""
+
+    moves_replicas = False  # a quorum member removed is not replaced: followers stay
+    CLI_TIMEOUT = 120.0
+
+    def __init__(self, name: str, cluster: RabbitCluster, avoid: list[str]) -> None:
+        self.name, self.cluster = name, cluster
+        self.brokers = {b.name: b for b in cluster.brokers}
+        self.erlang = {b.name: b.node or f"rabbit@{urlsplit(b.url).hostname}" for b in cluster.brokers}
+        self.by_erlang = {v: k for k, v in self.erlang.items()}
+        self.avoid = avoid
+        self.m: Management | None = None
+
+    async def __aenter__(self) -> RabbitNodes:
+        order = [b for b in self.cluster.brokers if b.name not in self.avoid] + [
+            b for b in self.cluster.brokers if b.name in self.avoid
+        ]
+        for b in order:
+            m = Management(self.cluster, b, name=self.name)
+            try:
+                await m.get("/overview", params={"columns": "cluster_name"})
+            except BrokerUnavailable:
+                await m.aclose()
+                continue
+            self.m = m
+            return self
+        raise BrokerUnavailable(f"{self.name}: no node's management API answers")
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.m:
+            await self.m.aclose()
+
+    def journal(self, key: str) -> ParamJournal:
+        assert self.m
+        return ParamJournal(self.m, key, stale_after=STALE_AFTER)
+
+    async def view(self, node: str, jetstream: bool = True) -> NodeView:
+        return (await self.views([node], jetstream))[node]
+
+    async def views(self, nodes: list[str], jetstream: bool = True) -> dict[str, NodeView]:
+        """One read of the cluster's nodes, connections (and queues) for all of `nodes`."""
+        assert self.m
+        out = {n: NodeView(n) for n in nodes}
+        try:
+            running = await self.m.get("/nodes", params={"columns": "name,running"})
+            conns = await self.m.get("/connections", params={"columns": "name,node,protocol,client_properties"})
+            queues = (
+                await self.m.get("/queues", params={"columns": "name,vhost,type,node,leader,members"})
+                if jetstream
+                else []
+            )
+        except FerryError as exc:
+            for v in out.values():
+                v.error = str(exc)
+            return out
+        up = {n["name"] for n in running or [] if n.get("running")}
+        for node, v in out.items():
+            erl = self.erlang[node]
+            if erl not in up:
+                v.error = f"{erl} is not running"
+                continue
+            v.up, v.server_id = True, erl
+            for c in conns or []:
+                label = str((c.get("client_properties") or {}).get("connection_name") or "")
+                if c.get("node") == erl and not label.startswith(CONTROL):
+                    v.conns.append({"cid": c["name"], "name": label, "mqtt_client": "MQTT" in str(c.get("protocol"))})
+            for x in queues or []:
+                if x.get("type") == "quorum":
+                    members = [self.by_erlang.get(m, m) for m in x.get("members") or []]
+                    if node in members:
+                        leader = self.by_erlang.get(x.get("leader") or "", "")
+                        v.assets.append(Asset(x["vhost"], x["name"], None, leader, members))
+                elif x.get("node") == erl:  # a classic queue lives on one node: it stays
+                    v.assets.append(Asset(x["vhost"], x["name"], None, node, [node]))
+        return out
+
+    async def kick(self, view: NodeView, cid: str) -> bool:
+        assert self.m
+        reason = f"ferry: node {view.name} is being emptied; please reconnect"
+        try:
+            await self.m.request("DELETE", f"/connections/{q(cid)}", headers={"X-Reason": reason})
+        except FerryError:  # NotFound: already gone (the listing lags by up to a statistics interval)
+            return False
+        return True
+
+    def movable(self, a: Asset) -> bool:
+        return len(a.peers) > 1
+
+    async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
+        """Quorum queue leaders handed over in one ``rabbitmqctl eval`` on each leader's node."""
+        if not moves:
+            return []
+
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode()).decode()
+
+        items = []
+        for a, preferred in moves:
+            target = preferred or next(p for p in a.peers if p != a.leader)
+            items.append(f'{{<<"{b64(a.account)}">>,<<"{b64(a.stream)}">>,<<"{b64(self.erlang[target])}">>}}')
+        expr = (
+            "D = fun(B) -> base64:decode(B) end, "
+            "R = [begin Res = case rabbit_amqqueue:lookup(rabbit_misc:r(D(V), queue, D(N))) of "
+            "{ok, Q} -> rabbit_quorum_queue:transfer_leadership(Q, binary_to_atom(D(T), utf8)); "
+            "Other -> Other end, "
+            'list_to_binary(io_lib:format("~0p", [Res])) end '
+            f"|| {{V, N, T}} <- [{','.join(items)}]], "
+            'io:format("~s~n", [rabbit_json:encode(R)]).'
+        )
+        try:
+            out = await self._cli("rabbitmqctl", moves[0][0].leader, "eval", expr)
+            results = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("[")))
+        except (FerryError, StopIteration, ValueError) as exc:
+            return [str(exc)] * len(moves)
+        return ["" if r.startswith("{migrated") else r for r in results]
+
+    async def prohibit(self, node: str) -> None:
+        """Maintenance mode: the node's listeners are suspended and its leaders handed over."""
+        await self._cli("rabbitmq-upgrade", node, "drain")
+
+    async def allow(self, node: str) -> None:
+        await self._cli("rabbitmq-upgrade", node, "revive")
+
+    async def _cli(self, tool: str, node: str, *args: str) -> str:
+        """Run an Erlang CLI tool against `node` with the topology's cookie (in a private HOME, never argv)."""
+        access = self.cluster.erlang
+        if access is None:
+            raise ConfigError(
+                f"cluster {self.name!r}: moving quorum queue leaders needs the Erlang CLI",
+                hint="add an `erlang: {cookie_file: ..., epmd_port: ...}` block to the cluster in the topology",
+            )
+        binary = (
+            f"/usr/lib/rabbitmq/bin/{tool}" if os.path.exists(f"/usr/lib/rabbitmq/bin/{tool}") else shutil.which(tool)
+        )
+        if not binary:
+            raise ConfigError(f"{tool} not found", hint="install rabbitmq-server's CLI tools where ferry runs")
+        with tempfile.TemporaryDirectory(prefix="ferry-erl-") as home:
+            cookie = os.path.join(home, ".erlang.cookie")
+            with open(os.open(cookie, os.O_WRONLY | os.O_CREAT, 0o400), "w") as f:
+                f.write(access.cookie())
+            env = {
+                "HOME": home,
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "LANG": "C.UTF-8",
+                "LC_ALL": "C.UTF-8",
+                "ERL_EPMD_PORT": str(access.epmd_port),
+            }
+            proc = await asyncio.create_subprocess_exec(
+                binary,
+                "-q",
+                "-n",
+                self.erlang[node],
+                *args,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), self.CLI_TIMEOUT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                raise BrokerUnavailable(f"{tool} {args[0]} on {node}: no answer in {self.CLI_TIMEOUT:.0f}s") from None
+        if proc.returncode:
+            text = (err or out).decode(errors="replace").strip().splitlines()
+            raise FerryError(f"{tool} {args[0]} on {node} failed: {text[-1] if text else proc.returncode}")
+        return out.decode(errors="replace")
+
+
+def open_nodes(name: str, cluster: NatsCluster | RabbitCluster, avoid: list[str]) -> NatsNodes | RabbitNodes:
+    return NatsNodes(name, cluster, avoid) if isinstance(cluster, NatsCluster) else RabbitNodes(name, cluster, avoid)
