@@ -101,10 +101,11 @@ class Registry:
         if st.get("kind") == "evacuation":
             key = rb.evacuation_key(cname, st["node"])
             self.stops[key] = stop
-            return rb.evacuate(self.topo, rb.EvacuateRequest(node=st["node"], cluster=cname), stop=stop, hold=True)
+            req = rb.EvacuateRequest(node=st["node"], cluster=cname)
+            return rb.evacuate(self.topo, req, stop=stop, hold=True, resume_only=True)
         key = rb.rebalance_key(cname)
         self.stops[key] = stop
-        return rb.rebalance(self.topo, rb.RebalanceRequest(cluster=cname, execute=True), stop=stop)
+        return rb.rebalance(self.topo, rb.RebalanceRequest(cluster=cname, execute=True), stop=stop, resume_only=True)
 
     def start(self, key: str, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

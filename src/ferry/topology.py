@@ -16,6 +16,8 @@ Example::
           ltm:
             kind: rabbitmq
             credentials: {user: ferry, password_env: FERRY_LTM_PASSWORD}
+            # only for moving quorum queue leaders (ferry node evacuate / cluster rebalance):
+            erlang: {cookie_file: /var/lib/rabbitmq/.erlang.cookie, epmd_port: 4369}
             brokers:
               - {name: ltm-1, url: "amqp://10.1.0.1:5672", management_url: "http://10.1.0.1:15672"}
 

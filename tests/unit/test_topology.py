@@ -134,3 +134,20 @@ def test_cli_check_exit_codes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
     result = CliRunner().invoke(app, ["topology", "check", str(good), "--no-probe"])
     assert result.exit_code == 1
     assert "FERRY_T_LTM is not set" in result.output
+
+
+def test_erlang_access_needs_exactly_one_cookie_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_erlang = VALID.replace(
+        "credentials: {user: ferry, password_env: FERRY_T_LTM}",
+        "credentials: {user: ferry, password_env: FERRY_T_LTM}\n        erlang: {cookie_env: FERRY_T_COOKIE}",
+    )
+    access = parse_topology(with_erlang, "t.yaml").rabbitmq("ltm").erlang
+    assert access is not None and access.epmd_port == 4369
+    monkeypatch.setenv("FERRY_T_COOKIE", "s3cret")
+    assert access.cookie() == "s3cret"
+    monkeypatch.delenv("FERRY_T_COOKIE")
+    with pytest.raises(ConfigError, match="FERRY_T_COOKIE is not set"):
+        access.cookie()
+    for bad in ("{}", "{cookie_env: A, cookie_file: /x}"):
+        with pytest.raises(ConfigError, match="exactly one"):
+            parse_topology(with_erlang.replace("{cookie_env: FERRY_T_COOKIE}", bad), "t.yaml")

@@ -138,7 +138,9 @@ class ParamJournal:
         return f"/global-parameters/{quote(self.PREFIX + key, safe='')}"
 
     async def open(self) -> dict[str, Any] | None:
-        return await self.get(self.key) if self.key else None
+        state = await self.get(self.key) if self.key else None
+        self.saved = state is not None  # adopted: a later deletion means stopped, never "create it again"
+        return state
 
     async def get(self, key: str) -> dict[str, Any] | None:
         got = await self.m.get(self._path(key), ok404=True)

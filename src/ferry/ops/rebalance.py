@@ -311,10 +311,16 @@ class _Driver:
 
 
 async def evacuate(
-    topo: Topology, req: EvacuateRequest, emit: Emit = no_emit, stop: asyncio.Event | None = None, hold: bool = False
+    topo: Topology,
+    req: EvacuateRequest,
+    emit: Emit = no_emit,
+    stop: asyncio.Event | None = None,
+    hold: bool = False,
+    resume_only: bool = False,
 ) -> dict[str, Any]:
     """Start or resume the evacuation of `req.node`; returns once it is prohibiting
-    (or, with `hold`, once stopped). Raises having changed nothing when refused."""
+    (or, with `hold`, once stopped). Raises having changed nothing when refused.
+    `resume_only` (an adopting `ferry serve`): never start one that is no longer journaled."""
     cname, cluster = _resolve(topo, req.node, req.cluster)
     async with open_nodes(cname, cluster, avoid=[req.node]) as nodes:
         nodes.check([req.node], "node")
@@ -326,6 +332,8 @@ async def evacuate(
         )
         if prior:
             emit("resume", state=prior["state"], rates=prior["rates"])
+        elif resume_only:
+            return {"outcome": "nothing to resume"}
         else:
             plan = await _evacuation_plan(nodes, journal, cname, req)
             emit("plan", **plan)
@@ -471,7 +479,11 @@ def _public(st: dict[str, Any]) -> dict[str, Any]:
 
 
 async def rebalance(
-    topo: Topology, req: RebalanceRequest, emit: Emit = no_emit, stop: asyncio.Event | None = None
+    topo: Topology,
+    req: RebalanceRequest,
+    emit: Emit = no_emit,
+    stop: asyncio.Event | None = None,
+    resume_only: bool = False,
 ) -> dict[str, Any]:
     """Propose (and with `execute`, carry out) a rebalance of `req.cluster`."""
     cluster = topo.cluster(req.cluster)
@@ -483,6 +495,8 @@ async def rebalance(
         journal, prior = await _claim(nodes, rebalance_key(req.cluster), f"a rebalance of {req.cluster}")
         if prior:
             emit("resume", state=prior["state"])
+        elif resume_only:
+            return {"outcome": "nothing to resume"}
         else:
             plan = await _rebalance_plan(nodes, journal, req, names)
             emit("plan", **plan)
