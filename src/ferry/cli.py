@@ -1297,13 +1297,9 @@ def lab_haproxy_config(
 ) -> None:
     """Print an haproxy.cfg for a cluster of the topology: leastconn, node health + ferry's availability check."""
     from ferry.lab import haproxy
-    from ferry.topology import NatsCluster
 
     c = _topology(topology).cluster(cluster)
-    if isinstance(c, NatsCluster):
-        fronts = haproxy.nats_frontends(cluster, c, nats_bind, mqtt_bind or None)
-    else:
-        fronts = haproxy.rabbit_frontends(cluster, c, amqp_bind, mqtt_bind or None)
+    fronts = haproxy.frontends(cluster, c, nats_bind if c.kind == "nats" else amqp_bind, mqtt_bind or None)
     out.print(haproxy.render(fronts, serve, stats_bind="127.0.0.1:8404"), highlight=False, markup=False)
 
 

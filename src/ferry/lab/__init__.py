@@ -14,7 +14,7 @@ Profiles:
 - ``rabbit-cluster``: one RabbitMQ cluster ``rabbits`` of three nodes
 
 ``up(profile, haproxy=True)`` adds ``ferry serve`` and a real HAProxy in front of
-every NATS cluster's client and MQTT ports, health-checked through
+every cluster's client (NATS or AMQP) and MQTT ports, health-checked through
 ``/availability_check`` (addresses in ``LabState.lb``).
 """
 
@@ -59,7 +59,7 @@ class LabState(BaseModel):
     nats: list[list[dict]] = []  # one list of servers per NATS deployment
     rabbit: list[dict] = []
     procs: list[Proc] = []
-    lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats, mqtt} URLs
+    lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats or amqp, mqtt} URLs
 
     @property
     def path(self) -> Path:
@@ -212,8 +212,7 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
     for i, (name, cluster) in enumerate(clusters):
         port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
         scheme = "nats" if cluster.kind == "nats" else "amqp"
-        make = lab_haproxy.nats_frontends if cluster.kind == "nats" else lab_haproxy.rabbit_frontends
-        frontends += make(name, cluster, f"127.0.0.1:{port}", f"127.0.0.1:{mqtt_port}")  # type: ignore[operator]
+        frontends += lab_haproxy.frontends(name, cluster, f"127.0.0.1:{port}", f"127.0.0.1:{mqtt_port}")
         lb[name] = {scheme: f"{scheme}://127.0.0.1:{port}", "mqtt": f"mqtt://127.0.0.1:{mqtt_port}"}
     d = pdir / "haproxy"
     d.mkdir()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError
@@ -39,40 +40,35 @@ def _hostport(url: str) -> str:
     return f"{u.hostname}:{u.port}"
 
 
-def rabbit_frontends(name: str, cluster: RabbitCluster, amqp_bind: str, mqtt_bind: str | None) -> list[Frontend]:
-    """The AMQP (and MQTT) frontends of one RabbitMQ cluster, checked on each node's management port."""
+def frontends(
+    name: str, cluster: NatsCluster | RabbitCluster, client_bind: str, mqtt_bind: str | None
+) -> list[Frontend]:
+    """The client (NATS or AMQP) and MQTT frontends of one cluster, from its topology entry."""
+    if isinstance(cluster, NatsCluster):
+        kind, check_uri = "nats", "/healthz"
 
-    def servers(kind: str) -> list[tuple[str, str, int]]:
-        return [
-            (b.name, _hostport(b.url if kind == "amqp" else b.mqtt_url), urlsplit(b.management_url).port or 15672)  # type: ignore[arg-type]
-            for b in cluster.brokers
-            if kind == "amqp" or b.mqtt_url
-        ]
+        def check_port(b: Any) -> int:
+            if not b.monitor_url:
+                raise ConfigError(f"cluster {name!r}: every broker needs a monitor_url for HAProxy's health check")
+            return urlsplit(b.monitor_url).port or 8222
 
-    out = [Frontend(f"amqp_{name}", amqp_bind, servers("amqp"), check_uri="/")]
-    if mqtt_bind and servers("mqtt"):
-        out.append(Frontend(f"mqtt_{name}", mqtt_bind, servers("mqtt"), check_uri="/"))
-    return out
+    else:
+        kind, check_uri = "amqp", "/"
 
-
-def nats_frontends(name: str, cluster: NatsCluster, nats_bind: str, mqtt_bind: str | None) -> list[Frontend]:
-    """The NATS (and MQTT) frontends of one cluster from its topology entry."""
-    hostport = _hostport
-
-    def monitor_port(url: str | None) -> int:
-        if not url:
-            raise ConfigError(f"cluster {name!r}: every broker needs a monitor_url for HAProxy's health check")
-        return urlsplit(url).port or 8222
+        def check_port(b: Any) -> int:
+            return urlsplit(b.management_url).port or 15672
 
     out = [
         Frontend(
-            f"nats_{name}", nats_bind, [(b.name, hostport(b.url), monitor_port(b.monitor_url)) for b in cluster.brokers]
+            f"{kind}_{name}",
+            client_bind,
+            [(b.name, _hostport(b.url), check_port(b)) for b in cluster.brokers],
+            check_uri,
         )
     ]
-    if mqtt_bind:
-        mqtt = [(b.name, hostport(b.mqtt_url), monitor_port(b.monitor_url)) for b in cluster.brokers if b.mqtt_url]  # type: ignore[arg-type]
-        if mqtt:
-            out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt))
+    mqtt = [(b.name, _hostport(b.mqtt_url), check_port(b)) for b in cluster.brokers if b.mqtt_url]
+    if mqtt_bind and mqtt:
+        out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt, check_uri))
     return out
 
 
