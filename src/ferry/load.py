@@ -407,9 +407,6 @@ class _RabbitSender(_Sender):
     async def publish(self, row: dict[str, Any], payload: bytes) -> None:
         from ferry.pipeline.rabbitmq import row_header
 
-        if self.conn.closed:
-            await self._reconnect()
-
         props = {"message_id": row["id"], "delivery_mode": 2, "headers": None}
         header = row_header(
             {"properties": props, "headers": [("x-ferry-sent", str(row["sent_ns"])), ("x-ferry-hash", row["hash"])]},
@@ -419,7 +416,7 @@ class _RabbitSender(_Sender):
         key = row["subject"]
         try:
             seq = self.ch.publish(self.opts.exchange or "", key, header, payload)
-        except BrokerUnavailable:  # closed under us
+        except BrokerUnavailable:  # the broker closed the connection (write refuses at once)
             await self._reconnect()
             seq = self.ch.publish(self.opts.exchange or "", key, header, payload)
         if not self.opts.confirms:

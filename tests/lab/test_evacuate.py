@@ -439,6 +439,8 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
         f"t={snap}",
         "--max-dup",
         "1000",
+        "--html",
+        str(tmp_path / "audit.html"),
         "--json",
         topology=topology,
     )

@@ -1,10 +1,12 @@
-"""Operation state kept in the JetStream KV bucket ``ferry_ops``, owned by one live ferry at a time.
+"""Operation state kept in the cluster it concerns, owned by one live ferry at a time.
 
-Every NATS operation (move, evacuation, rebalance) journals its state under one
-key. The owner (host, pid) refreshes a heartbeat with each save; another ferry
-may take the key over once the heartbeat is older than ``stale_after`` or the
-owner's pid is gone on this host. Every save is a compare-and-set on the key's
-revision, so two drivers can never both believe they own it.
+Every operation (move, evacuation, rebalance) journals its state under one key:
+on NATS in the JetStream KV bucket ``ferry_ops`` (``Journal``), on RabbitMQ in a
+global parameter (``ParamJournal``). The owner (host, pid) refreshes a heartbeat
+with each save; another ferry may take the key over once the heartbeat is older
+than ``stale_after`` or the owner's pid is gone on this host. On NATS every save
+is a compare-and-set on the key's revision, so two drivers can never both
+believe they own it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,20 @@ def owner_alive(state: dict[str, Any], stale_after: float = 10.0) -> bool:
     return True
 
 
-class Journal:
+class _Owned:
+    """Who owns a journal key, for both kinds of journal."""
+
+    stale_after: float
+
+    @staticmethod
+    def owner() -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def owner_alive(self, state: dict[str, Any]) -> bool:
+        return owner_alive(state, self.stale_after)
+
+
+class Journal(_Owned):
     """One operation's state under ``key`` in ``ferry_ops``."""
 
     def __init__(self, nc: Client, key: str, stale_after: float = 10.0, replicas: int = 1) -> None:
@@ -59,30 +74,26 @@ class Journal:
         self.state: dict[str, Any] = {}
 
     async def open(self) -> dict[str, Any] | None:
-        """Open the bucket; the key's current state, or None."""
-        from nats.js.errors import KeyNotFoundError
-
+        """Open the bucket (a key of '' opens only that); the key's current state, or None."""
         self.kv = await bucket(self.nc, self.replicas)
-        if not self.key:  # the bucket only (for get and keys)
-            return None
-        try:
-            entry = await self.kv.get(self.key)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
+        entry = await self._entry(self.key) if self.key else None
+        if not entry or not entry.value:
             return None
         self.revision = entry.revision
         return json.loads(entry.value)
 
     async def get(self, key: str) -> dict[str, Any] | None:
         """Another key's state (the bucket is open)."""
+        entry = await self._entry(key)
+        return json.loads(entry.value) if entry and entry.value else None
+
+    async def _entry(self, key: str) -> Any:
         from nats.js.errors import KeyNotFoundError
 
         try:
-            entry = await self.kv.get(key)
+            return await self.kv.get(key)
         except KeyNotFoundError:
             return None
-        return json.loads(entry.value) if entry.value else None
 
     async def keys(self, patterns: list[str]) -> list[str]:
         """Keys matching NATS subject patterns, from the stream's own per-subject counts: nats-py's
@@ -93,13 +104,6 @@ class Journal:
             info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
             out += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
         return out
-
-    @staticmethod
-    def owner() -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid()}
-
-    def owner_alive(self, state: dict[str, Any]) -> bool:
-        return owner_alive(state, self.stale_after)
 
     async def save(self, release: bool = False, **changes: Any) -> None:
         """Write the state (CAS); ``release`` gives up ownership so another ferry may adopt at once."""
@@ -120,7 +124,7 @@ class Journal:
         self.revision = 0
 
 
-class ParamJournal:
+class ParamJournal(_Owned):
     """The same contract on a RabbitMQ cluster: the global parameter ``ferry-ops.<key>``, through the
     management API. It has no compare-and-set, so each save re-reads the parameter first and refuses
     when it was deleted (stopped) or another live ferry owns it; the race left is one HTTP round trip."""
@@ -154,12 +158,9 @@ class ParamJournal:
         names = [p["name"].removeprefix(self.PREFIX) for p in await self.m.get("/global-parameters") or []]
         return [n for n in names if any(matches(pat, n) for pat in patterns)]
 
-    def owner_alive(self, state: dict[str, Any]) -> bool:
-        return owner_alive(state, self.stale_after)
-
     async def save(self, release: bool = False, **changes: Any) -> None:
         current = await self.get(self.key)
-        mine = Journal.owner()
+        mine = self.owner()
         if self.saved and current is None:
             raise Conflict(f"{self.key} was deleted (stopped)")
         if current and current.get("owner") not in (None, mine) and owner_alive(current, self.stale_after):

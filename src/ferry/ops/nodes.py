@@ -90,8 +90,16 @@ class _Nodes:
     name: str
     brokers: dict[str, Any]
 
+    cluster: NatsCluster | RabbitCluster
+    avoid: list[str]
+
     async def view(self, node: str, jetstream: bool = True) -> NodeView:
         raise NotImplementedError
+
+    def reach_order(self) -> list[Any]:
+        """The brokers to connect through: the nodes being emptied last, so ferry's own connections avoid them."""
+        brokers = self.cluster.brokers
+        return [b for b in brokers if b.name not in self.avoid] + [b for b in brokers if b.name in self.avoid]
 
     def check(self, names: list[str], what: str) -> None:
         unknown = [n for n in names if n not in self.brokers]
@@ -120,11 +128,7 @@ class NatsNodes(_Nodes):
         self.account = ""
 
     async def __aenter__(self) -> NatsNodes:
-        # nodes being emptied go last: ferry's own connections should not sit there
-        urls = [b.url for b in self.cluster.brokers if b.name not in self.avoid] + [
-            b.url for b in self.cluster.brokers if b.name in self.avoid
-        ]
-        opts = {"name": self.name, "urls": urls, "dont_randomize": True}
+        opts = {"name": self.name, "urls": [b.url for b in self.reach_order()], "dont_randomize": True}
         self.nc = await bnats.connect(self.cluster, client_name=f"{CONTROL}-{self.name}", **opts)
         try:
             self.sysnc = await bnats.connect(
@@ -246,10 +250,7 @@ class RabbitNodes(_Nodes):
         self.m: Management | None = None
 
     async def __aenter__(self) -> RabbitNodes:
-        order = [b for b in self.cluster.brokers if b.name not in self.avoid] + [
-            b for b in self.cluster.brokers if b.name in self.avoid
-        ]
-        for b in order:
+        for b in self.reach_order():
             m = Management(self.cluster, b, name=self.name)
             try:
                 await m.get("/overview", params={"columns": "cluster_name"})
@@ -321,7 +322,7 @@ class RabbitNodes(_Nodes):
         return len(a.peers) > 1
 
     async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
-        """Quorum queue leaders handed over in one ``rabbitmqctl eval`` on each leader's node."""
+        """Quorum queue leaders (all on one node) handed over in one ``rabbitmqctl eval`` on that node."""
         if not moves:
             return []
 
