@@ -1005,7 +1005,7 @@ WaitHealthOpt = Annotated[
 ]
 ConnRateOpt = Annotated[int, typer.Option(min=1, help="Connections closed per second (per node).")]
 WaitTakeoverOpt = Annotated[float, typer.Option(min=0, help="Seconds for clients to reconnect before moving sessions.")]
-SessRateOpt = Annotated[int, typer.Option(min=1, help="JetStream leaders/replicas moved per second (per node).")]
+SessRateOpt = Annotated[int, typer.Option(min=1, help="Leaders and replicas moved per second (per node).")]
 
 
 def _names(value: str | None) -> list[str]:
@@ -1040,7 +1040,7 @@ def node_evacuate(
     conn_evict_rate: ConnRateOpt = 500,
     wait_takeover: WaitTakeoverOpt = 60.0,
     sess_evict_rate: SessRateOpt = 500,
-    migrate_to: Annotated[str | None, typer.Option(help="Nodes to move JetStream leaders to (comma list).")] = None,
+    migrate_to: Annotated[str | None, typer.Option(help="Nodes to move leaders to (comma list).")] = None,
     redirect_to: Annotated[str | None, typer.Option(help="MQTT 5 redirection targets (not offered by NATS).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what the node holds; change nothing.")] = False,
     topology: TopologyOpt = None,
@@ -1143,14 +1143,16 @@ def node_stop(
 
 @cluster_app.command("rebalance")
 def cluster_rebalance(
-    cluster: Annotated[str, typer.Argument(help="The NATS cluster.")],
+    cluster: Annotated[str, typer.Argument(help="The NATS or RabbitMQ cluster.")],
     nodes: Annotated[str | None, typer.Option(help="Participating nodes (comma list; default: all).")] = None,
     abs_conn_threshold: Annotated[
         float, typer.Option(min=0, help="Balanced if avg(donor) < avg(recipient) + this.")
     ] = 1000,
     rel_conn_threshold: Annotated[float, typer.Option(help="... or avg(donor) < avg(recipient) * this (> 1).")] = 1.1,
-    abs_sess_threshold: Annotated[float, typer.Option(min=0, help="The same for JetStream leaders.")] = 1000,
-    rel_sess_threshold: Annotated[float, typer.Option(help="The same for JetStream leaders (> 1).")] = 1.1,
+    abs_sess_threshold: Annotated[
+        float, typer.Option(min=0, help="The same for leaders (JetStream, quorum queues).")
+    ] = 1000,
+    rel_sess_threshold: Annotated[float, typer.Option(help="The same for leaders (> 1).")] = 1.1,
     wait_health_check: WaitHealthOpt = 60.0,
     conn_evict_rate: ConnRateOpt = 500,
     wait_takeover: WaitTakeoverOpt = 60.0,
@@ -1161,7 +1163,7 @@ def cluster_rebalance(
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Propose moving clients and JetStream leaders from busy nodes to idle ones; --execute carries it out."""
+    """Propose moving clients and leaders from busy nodes to idle ones; --execute carries it out."""
     from ferry.ops.rebalance import RebalanceRequest, rebalance
 
     req = RebalanceRequest(
