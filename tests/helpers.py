@@ -36,6 +36,16 @@ def ferry(
     return result
 
 
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """cond()'s first true value, polled every 0.2 s; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+    return got
+
+
 def ferry_killed_when(condition: Callable[[], bool], *args: str, topology: Path, timeout: float = 120) -> None:
     """Start the CLI, SIGKILL its whole process group (driver, JVM, workers) once `condition()` holds."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}

@@ -898,7 +898,7 @@ def snapshot_cmd(
 
 @app.command("audit")
 def audit_cmd(
-    ledger: Annotated[Path, typer.Option(help="The ledger directory written by `ferry load`.")],
+    ledger: Annotated[list[Path], typer.Option(help="A ledger directory written by `ferry load` (repeat).")],
     tier: Annotated[list[str], typer.Option(help="NAME=SNAPSHOT_DIR or NAME=jetstream://CLUSTER/STREAM (repeat).")],
     bucket: Annotated[int, typer.Option(min=1, help="Seconds per time bucket.")] = 10,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("ferry-audit.html"),
@@ -924,7 +924,13 @@ def audit_cmd(
     needs_topology = any("://" in v and not v.startswith("parquet://") for v in tiers.values())
     topo = _topology(topology) if needs_topology else None
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False)
-    report = audit(spark, str(ledger), {n: tier_frame(spark, topo, v) for n, v in tiers.items()}, bucket_s=bucket)
+    ledgers = [str(p) for p in ledger]
+    report = audit(
+        spark,
+        ledgers[0] if len(ledgers) == 1 else ledgers,
+        {n: tier_frame(spark, topo, v) for n, v in tiers.items()},
+        bucket_s=bucket,
+    )
     failures = verdict(report, max_lost, max_dup)
     html.write_text(render_html(report, failures))
     report["html"] = str(html.absolute())
@@ -1229,6 +1235,188 @@ def cluster_stop(
         print_json(r)
         return
     out.print(f"rebalance of {cluster} stopped (was {r.get('state')})")
+
+
+# -- replicate / site ---------------------------------------------------------------------------
+
+replicate_app = typer.Typer(
+    **_plain, help="Relay streams from one site to another (a Spark streaming job).", no_args_is_help=True
+)
+site_app = typer.Typer(**_plain, help="Fail a site over to its replica, and back.", no_args_is_help=True)
+app.add_typer(replicate_app, name="replicate")
+app.add_typer(site_app, name="site")
+
+
+def _event_line(event: str, **data: Any) -> None:
+    err.print(f"{event}: " + json.dumps(data, default=str), highlight=False)
+
+
+FromOpt = Annotated[str, typer.Option("--from", help="Source site (a NATS cluster of the topology).")]
+ToOpt = Annotated[str, typer.Option("--to", help="Destination site.")]
+
+
+@replicate_app.command("start")
+def replicate_start(
+    source: FromOpt,
+    to: ToOpt,
+    streams: Annotated[str, typer.Option(help="Glob over the source's stream names.")] = "*",
+    subject_prefix: Annotated[str, typer.Option(help="Prefix added to subjects at the destination.")] = "",
+    stream_name: Annotated[str, typer.Option(help="Destination stream name; {stream} is the source's.")] = "{stream}",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be relayed; change nothing.")] = False,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Define a replication (kept at the destination) and create missing destination streams.
+
+    Relays are the `ferry replicate run` processes: run one or more (one relays, the others stand by).
+    """
+    from ferry.ops import replicate as rp
+
+    rep = rp.Replication(source, to, streams, subject_prefix, stream_name)
+    result = run(rp.start(_topology(topology), rep, dry_run=dry_run))
+    if as_json:
+        print_json(result)
+        return
+    pairs = ", ".join(f"{a} -> {b}" for a, b in result.get("dest_streams", {}).items())
+    verb = "would relay" if dry_run else "already running:" if result.get("already") else "defined:"
+    out.print(f"{source} -> {to} {verb} {pairs}")
+    if result.get("created"):
+        out.print(f"created at {to}: {', '.join(result['created'])}")
+    if not dry_run:
+        out.print(f"run relays with: ferry replicate run --from {source} --to {to}")
+
+
+@replicate_app.command("run")
+def replicate_run(
+    source: FromOpt,
+    to: ToOpt,
+    lease: Annotated[float, typer.Option(min=2, help="Seconds after which a standby takes over a silent relay.")] = 5.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics.")
+    ] = None,
+    spark_master: SparkMaster = None,
+    spark_remote: SparkRemote = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Relay (or stand by to relay) a defined replication until `ferry replicate stop`."""
+    from ferry.ops import replicate as rp
+    from ferry.pipeline.spark import get_session
+
+    topo = _topology(topology)
+    metrics = rp.Metrics(metrics_port) if metrics_port else None
+
+    def spark() -> Any:
+        return get_session(master=spark_master, remote=spark_remote, app_name=f"ferry relay {source} to {to}")
+
+    emit = _json_events if as_json else _event_line
+    state = run(rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics).run())
+    if as_json:
+        print_json(state)
+
+
+@replicate_app.command("stop")
+def replicate_stop(
+    source: FromOpt,
+    to: ToOpt,
+    wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the relay's stop marker.")] = 30.0,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop a replication gracefully: the relay writes a stop marker, so its successor needs no replay check."""
+    from ferry.ops import replicate as rp
+
+    state = run(rp.stop(_topology(topology), source, to, wait=wait))
+    if as_json:
+        print_json(state)
+        return
+    marker = state.get("marker")
+    out.print(f"{source} -> {to} stopped" + (f"; positions {marker}" if marker else "; the next start will scan"))
+
+
+@replicate_app.command("status")
+def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+    """Every replication: state, relay leader, per stream last relayed sequence, lag and rate."""
+    from ferry.ops import replicate as rp
+
+    rows = run(rp.status(_topology(topology)))
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        out.print("no replication is defined")
+        return
+    table = Table("replication", "state", "leader", "stream", "relayed", "lag", "lag s", "rate/s")
+    for r in rows:
+        name = f"{r.get('source', '?')} -> {r.get('dest')}"
+        if r.get("error"):
+            table.add_row(name, "[red]unreachable[/]", "", "", "", "", "", r["error"])
+            continue
+        leader = f"{r['leader']['host']}:{r['leader']['pid']}" if r.get("leader") else "-"
+        state = f"{r.get('state')} ({r.get('desired')})"
+        progress = r.get("progress") or {"": {}}
+        for stream, p in progress.items():
+            cells = [p.get(k) for k in ("relayed", "lag", "lag_s", "rate")]
+            table.add_row(name, state, leader, stream, *("-" if c is None else f"{c:,}" for c in cells))
+    out.print(table)
+
+
+@site_app.command("failover")
+def site_failover(
+    to: Annotated[str, typer.Option("--to", help="The site that becomes primary.")],
+    source: Annotated[
+        str | None, typer.Option("--from", help="The failed site (default: the one replicating).")
+    ] = None,
+    reverse: Annotated[
+        bool, typer.Option("--reverse", help="Then define TO -> FROM replication once FROM is reachable.")
+    ] = False,
+    wait: Annotated[float, typer.Option(min=0, help="With --reverse: seconds to wait for FROM.")] = 600.0,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop FROM -> TO (fencing its relay), record the last sequence TO holds per stream, make TO primary."""
+    from ferry.ops import replicate as rp
+
+    emit = _json_events if as_json else _event_line
+    result = run(rp.failover(_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait))
+    if as_json:
+        print_json(result)
+        return
+    fo = result["failover"]
+    out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {fo['replicated']}")
+    if result.get("reverse"):
+        out.print(f"defined {to} -> {fo['from']}; run relays with: ferry replicate run --from {to} --to {fo['from']}")
+
+
+@site_app.command("failback")
+def site_failback(
+    to: Annotated[str, typer.Option("--to", help="The site that becomes primary again.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be reconciled.")] = False,
+    spark_master: SparkMaster = None,
+    spark_remote: SparkRemote = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reconcile both sites by origin sequence (exactly once each way), make TO primary, define TO -> other."""
+    from ferry.ops import replicate as rp
+    from ferry.pipeline.spark import get_session
+
+    def spark() -> Any:
+        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
+
+    emit = _json_events if as_json else _event_line
+    report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))
+    if as_json:
+        print_json(report)
+        return
+    if dry_run:
+        out.print(f"would reconcile {', '.join(report['streams'])} between {report['primary']} and {to}")
+        return
+    table = Table("stream", "RPO (acked, never relayed)", f"recovered to {report['primary_was']}", f"brought to {to}")
+    for s, r in report["streams"].items():
+        table.add_row(s, f"{r['rpo']:,}", f"{r['recovered']:,}", f"{r['brought']:,}")
+    out.print(table)
+    out.print(report["replication"])
 
 
 @app.command("serve")

@@ -39,6 +39,11 @@ __all__ = ["Ack", "Pacer", "PublishError", "PublishStats", "Publisher", "publish
 MSG_ID = "Nats-Msg-Id"
 SOURCE_HDR = "Ferry-Source"  # what ferry's data plane adds to a copy: where it came from
 SOURCE_SEQ_HDR = "Ferry-Source-Seq"
+# what a replication relay adds (ferry replicate): the site, stream and sequence a message was first stored at
+ORIGIN_SITE_HDR = "Ferry-Origin-Site"
+ORIGIN_STREAM_HDR = "Ferry-Origin-Stream"
+ORIGIN_SEQ_HDR = "Ferry-Origin-Seq"
+ORIGIN_MSG_ID_HDR = "Ferry-Origin-Msg-Id"
 _NO_RESPONDERS = "503"
 
 

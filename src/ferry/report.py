@@ -91,11 +91,12 @@ def _histogram(delay: dict[str, Any]) -> str:
 def render_html(report: dict[str, Any], verdict: list[str]) -> str:
     sent = report["sent"]
     duration = (sent.get("last_ns", 0) - sent.get("first_ns", 0)) / 1e9 if sent.get("sent") else 0
+    ledgers = ", ".join(report["ledger"]) if isinstance(report["ledger"], list) else report["ledger"]
     out = [
         "<!doctype html><html lang=en><head><meta charset=utf-8><title>ferry audit</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>ferry audit</h1>",
-        f"<p class=muted>ledger {escape(report['ledger'])} · {sent.get('sent', 0):,} sent over {duration:.1f}s · "
+        f"<p class=muted>ledger {escape(ledgers)} · {sent.get('sent', 0):,} sent over {duration:.1f}s · "
         f"{sent.get('acked', 0):,} acked · {sent.get('errors', 0):,} publish errors · "
         f"{sent.get('not_asked', 0):,} fire-and-forget · buckets of {report['bucket_s']}s</p>",
         f"<p><b>{'PASS' if not verdict else 'FAIL: ' + escape('; '.join(verdict))}</b></p>",

@@ -23,22 +23,13 @@ import pytest
 from ferry import lab
 from ferry.brokers import nats as bnats
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, make_stream
+from tests.helpers import FERRY, ferry, make_stream, wait_for
 from tests.lab.test_move import audit, finish
 
 pytestmark = pytest.mark.lab
 
 CLIENTS = 300
 NODES = ("east-1", "east-2", "east-3")
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-    return got
 
 
 def api(state: lab.LabState, method: str, path: str, **kw: Any) -> httpx.Response:

@@ -77,6 +77,9 @@ def opt_bool(options: dict[str, str], key: str, default: bool = False) -> bool:
     raise ConfigError(f"option {key!r} must be true or false, got {value!r}")
 
 
+COUNTS_DDL = "rows long, stored long, duplicates long, retries long, bytes long, errors array<string>"
+
+
 @dataclass
 class WriteCounts(WriterCommitMessage):
     """What one write task did; the driver sums these."""
@@ -100,6 +103,13 @@ class WriteCounts(WriterCommitMessage):
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
+
+    def as_batch(self) -> Any:
+        """One Arrow row with the COUNTS_DDL schema (what a counting Spark task yields)."""
+        import pyarrow as pa
+
+        fields = [(name, pa.int64()) for name in ("rows", "stored", "duplicates", "retries", "bytes")]
+        return pa.RecordBatch.from_pylist([self.as_dict()], pa.schema([*fields, ("errors", pa.list_(pa.string()))]))
 
 
 def dumps(obj: Any) -> str:

@@ -61,9 +61,10 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
 
 
 def audit(
-    spark: Any, ledger: str, tiers: dict[str, Any], bucket_s: int = 10, max_listed: int = 10_000
+    spark: Any, ledger: str | list[str], tiers: dict[str, Any], bucket_s: int = 10, max_listed: int = 10_000
 ) -> dict[str, Any]:
-    """The reconciliation report (plain data, ready for JSON, tables and HTML).
+    """The reconciliation report (plain data, ready for JSON, tables and HTML). Several ledgers
+    (loads at several sites) are reconciled as one.
 
     Plan per tier: the tier alone gives each copy's reorder flag (a window per
     source, subject and producer; producer and sequence are part of every ferry
@@ -76,9 +77,11 @@ def audit(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    if not Path(ledger).exists():
-        raise NotFound(f"ledger {ledger!r} does not exist")
-    led = spark.read.parquet(ledger).select(
+    ledgers = [ledger] if isinstance(ledger, str) else ledger
+    for path in ledgers:
+        if not Path(path).exists():
+            raise NotFound(f"ledger {path!r} does not exist")
+    led = spark.read.parquet(*ledgers).select(
         "id",
         "sent_ns",
         "outcome",

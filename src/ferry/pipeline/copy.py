@@ -42,13 +42,13 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import ConfigError, FerryError, NotFound, UsageError
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
+from ferry.pipeline._common import COUNTS_DDL
 from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
 from ferry.pipeline.uris import Endpoint, parse_uri
 from ferry.topology import RabbitCluster, Topology
 
 __all__ = ["CopyOptions", "CopyPlan", "CopyReport", "plan_copy", "run_copy", "spark_error"]
 
-_COUNTS_DDL = "rows long, stored long, duplicates long, retries long, bytes long, errors array<string>"
 _MOVE_DDL = (
     "vhost string, queue string, before long, moved long, bytes long, redelivered long, left long, "
     "seconds double, errors array<string>"
@@ -412,7 +412,7 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         df = df.coalesce(1)
     tasks = df.rdd.getNumPartitions() if not _is_connect(spark) else (opts.partitions or 1)
     spec = _write_options(topology, dst, plan, max(1, tasks))
-    _add_counts(report, df.mapInArrow(_writer_fn(spec), _COUNTS_DDL).collect())
+    _add_counts(report, df.mapInArrow(_writer_fn(spec), COUNTS_DDL).collect())
 
 
 def _add_counts(report: CopyReport, rows: list[Any]) -> None:
@@ -454,7 +454,7 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
                 counts = asyncio.run(js.write_batches(wcfg, _read_group(rcfg, groups[i], held)))
                 yield pa.RecordBatch.from_pylist([counts.as_dict()])
 
-    _add_counts(report, spark.range(0, len(groups), 1, len(groups)).mapInArrow(copy, _COUNTS_DDL).collect())
+    _add_counts(report, spark.range(0, len(groups), 1, len(groups)).mapInArrow(copy, COUNTS_DDL).collect())
 
 
 async def _read_group(

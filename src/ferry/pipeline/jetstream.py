@@ -14,13 +14,18 @@ Options (all strings):
   messages, at most 16), ``batch_size`` (rows per Arrow batch, 10,000),
   ``fetch`` (messages per pull request; default about 8 MB worth, at most 5,000).
 - streaming read: ``starting`` = ``earliest`` | ``latest`` | JSON
-  ``{"STREAM": last_seq_already_processed}``; ``max_messages_per_batch``.
+  ``{"STREAM": last_seq_already_processed}``; ``max_messages_per_batch``;
+  ``relay_to`` (JSON of write options): each read task publishes its messages that
+  carry no ``Ferry-Origin-Site`` itself and yields one row of counts (schema
+  ``COUNTS_DDL``), so no message crosses the JVM (what ``ferry replicate`` runs).
 - write: ``stream`` (destination; published with ``Nats-Expected-Stream``),
   ``window`` (in-flight publishes, 512), ``ack_timeout`` (seconds, 2),
   ``give_up_after`` (seconds, 120), ``ordered`` (``true``: keep sequence order
   with ``Nats-Expected-Last-Sequence``; needs a single writer task and exclusive
   writes to the destination), ``origin_headers`` (``true``: add
-  ``Ferry-Source`` and ``Ferry-Source-Seq``), ``subject_prefix``.
+  ``Ferry-Source`` and ``Ferry-Source-Seq``), ``subject_prefix``, ``origin_site``
+  (a relay's site: a message without ``Ferry-Origin-Site`` gets ``Ferry-Origin-Site``,
+  ``-Stream``, ``-Seq`` and ``-Msg-Id`` saying where it was first stored).
 
 Headers: reads drop the publish-time directives ``Nats-Expected-*`` (the
 server stores them with the message, but they are not message data). Writes
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -71,9 +77,20 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, FerryError, NotFound
-from ferry.pipeline._common import WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
+from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
-from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Ack, Pacer, Publisher
+from ferry.publish import (
+    MSG_ID,
+    ORIGIN_MSG_ID_HDR,
+    ORIGIN_SEQ_HDR,
+    ORIGIN_SITE_HDR,
+    ORIGIN_STREAM_HDR,
+    SOURCE_HDR,
+    SOURCE_SEQ_HDR,
+    Ack,
+    Pacer,
+    Publisher,
+)
 from ferry.topology import NatsCluster
 
 __all__ = [
@@ -142,6 +159,7 @@ class WriteConfig:
     ordered: bool = False
     origin_headers: bool = True
     subject_prefix: str = ""
+    origin_site: str = ""
     rate: float | None = None  # messages per second for this task
 
     @classmethod
@@ -161,6 +179,7 @@ class WriteConfig:
             ordered=opt_bool(options, "ordered"),
             origin_headers=opt_bool(options, "origin_headers", True),
             subject_prefix=options.get("subject_prefix") or "",
+            origin_site=options.get("origin_site") or "",
             rate=float(options["rate"]) if options.get("rate") else None,
         )
 
@@ -391,19 +410,21 @@ class JetStreamReader(DataSourceReader):
 class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Offsets are {stream: last sequence processed}."""
 
-    def __init__(self, cfg: ReadConfig, starting: str, max_per_batch: int | None, parts: int) -> None:
+    def __init__(
+        self, cfg: ReadConfig, starting: str, max_per_batch: int | None, parts: int, relay: WriteConfig | None = None
+    ) -> None:
         self.cfg = cfg
         self.starting = starting
         self.max_per_batch = max_per_batch
         self.parts = parts
+        self.relay = relay
+        self.warm = False
         self.target: dict[str, int] | None = None
 
     def _states(self) -> dict[str, dict[str, int]]:
         return asyncio.run(stream_states(self.cfg.nats(), self.cfg.streams, None, self.cfg.name))
 
     def initialOffset(self) -> dict[str, int]:
-        import json
-
         states = self._states()
         if self.starting == "earliest":
             return {s: max(0, st["first_seq"] - 1) for s, st in states.items()}
@@ -437,13 +458,29 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         for stream in self.cfg.streams:
             lo, hi = int(start.get(stream, 0)) + 1, int(end.get(stream, 0))
             ranges += split(stream, lo, hi, self.parts, self.cfg.fetch or 1000)
+        if not ranges and not self.warm:  # start a Python worker now, not with the first message
+            ranges = [Range(self.cfg.streams[0], 1, 0)]
+        self.warm = True
         return ranges
 
     def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        if self.relay:
+            counts = asyncio.run(write_batches(self.relay, _first_stored_here(read_range(self.cfg, partition))))
+            return iter([counts.as_batch()])
         return iterate(read_range(self.cfg, partition))
 
     def commit(self, end: dict[str, int]) -> None:
         """Nothing to do: the stream keeps its messages; offsets live in Spark's checkpoint."""
+
+
+async def _first_stored_here(batches: AsyncIterator[pa.RecordBatch]) -> AsyncIterator[pa.RecordBatch]:
+    """The messages without an origin header (never relayed from elsewhere)."""
+    import pyarrow.compute as pc
+
+    async for batch in batches:
+        mine = batch.filter(pc.is_null(pc.map_lookup(batch.column("headers"), ORIGIN_SITE_HDR, "first")))
+        if mine.num_rows:
+            yield mine
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -502,6 +539,12 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     if cfg.origin_headers and source is not None and seq is not None:
         hdrs[SOURCE_HDR] = source
         hdrs[SOURCE_SEQ_HDR] = str(seq)
+    if cfg.origin_site and ORIGIN_SITE_HDR not in hdrs:
+        hdrs[ORIGIN_SITE_HDR] = cfg.origin_site
+        hdrs[ORIGIN_STREAM_HDR] = (source or "").partition("/")[2]
+        hdrs[ORIGIN_SEQ_HDR] = str(seq)
+        if msg_id:
+            hdrs[ORIGIN_MSG_ID_HDR] = msg_id
     if cfg.stream:
         hdrs["Nats-Expected-Stream"] = cfg.stream
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
@@ -608,7 +651,7 @@ class JetStreamDataSource(DataSource):
         return "jetstream"
 
     def schema(self) -> str:
-        return SPARK_DDL
+        return COUNTS_DDL if "relay_to" in self.options else SPARK_DDL
 
     def reader(self, schema: Any) -> JetStreamReader:
         return JetStreamReader(ReadConfig.from_options(dict(self.options)))
@@ -620,6 +663,7 @@ class JetStreamDataSource(DataSource):
             options.get("starting", "earliest"),
             opt_int(options, "max_messages_per_batch"),
             opt_int(options, "partitions", 1) or 1,
+            WriteConfig.from_options(json.loads(options["relay_to"])) if options.get("relay_to") else None,
         )
 
     def writer(self, schema: Any, overwrite: bool) -> JetStreamWriter:

@@ -1,0 +1,719 @@
+"""Cross-site replication (`ferry replicate`) and site failover / fail-back (`ferry site`).
+
+The design is JGroups' RELAY on JetStream:
+
+- A **replication** FROM -> TO relays, for every stream of site FROM matching a glob, the
+  messages first stored at FROM (those without a ``Ferry-Origin-Site`` header) to the stream
+  of the same name at TO (or a mapped name, with an optional subject prefix). Each relayed
+  message gets ``Ferry-Origin-Site``, ``-Stream``, ``-Seq`` and ``-Msg-Id`` and is published
+  with a deterministic ``Nats-Msg-Id`` (its own, else ``<site>/<stream>:<seq>``). A message
+  that already carries an origin is never relayed again, so FROM <-> TO both ways has no cycle.
+- The relay is a Spark Structured Streaming query (jetstream source -> jetstream sink).
+- Its definition, lease and progress live **at the destination**, key ``relay.FROM.TO`` of
+  the ``ferry_ops`` KV bucket. ``ferry replicate run`` may run on several machines: the one
+  holding the lease relays, the others stand by and take over once its heartbeat is older
+  than the lease (sooner on the same host, where a dead pid is seen at once).
+- **Resume point**: a relay that takes over asks the destination which origin sequences it
+  holds near its end (the last ``SCAN`` relayed messages at least), starts after the highest,
+  and first re-relays the few below it that are missing (a dead relay's unacked publishes).
+  Relaying waits until that replay is done. No Spark checkpoint survives a run, so there is
+  none to lose or mix up: the destination is the only truth.
+- A graceful ``ferry replicate stop`` makes the relay stop its query and write a stop
+  **marker** (the exact position per stream); its successor starts there without the scan.
+- **Site failover** (``ferry site failover --to sfo``) fences and stops nyc -> sfo, records
+  the last nyc sequence sfo holds per stream, and makes sfo the primary. **Fail-back**
+  (``ferry site failback --to nyc``) reconciles both sides by origin sequence (Spark
+  anti-joins): what nyc acked but never relayed before it failed (the RPO) goes to sfo, what
+  was written at sfo meanwhile goes to nyc, each exactly once; then nyc -> sfo is defined again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ferry.brokers import nats as bnats
+from ferry.errors import Conflict, FerryError, NotFound, UsageError
+from ferry.ops.journal import Journal
+from ferry.pipeline import jetstream as js
+from ferry.pipeline._common import COUNTS_DDL
+from ferry.publish import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
+from ferry.topology import NatsCluster, Topology
+
+__all__ = ["Relay", "Replication", "failback", "failover", "start", "status", "stop"]
+
+Emit = Callable[..., None]
+CONTROL = "ferry-relay"
+SCAN = 20_000  # relayed messages read back from the destination's end when resuming
+MAX_BATCH = 20_000  # messages per micro-batch (all streams)
+TRIGGER = "200 milliseconds"
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    pass
+
+
+@dataclass
+class Replication:
+    """What relays where; stored at the destination with the lease and progress."""
+
+    source: str  # site names
+    dest: str
+    streams: str = "*"  # glob over the source's stream names
+    subject_prefix: str = ""
+    stream_name: str = "{stream}"  # destination name template
+
+    @property
+    def key(self) -> str:
+        return f"relay.{self.source}.{self.dest}"
+
+    def dest_stream(self, stream: str) -> str:
+        return self.stream_name.format(stream=stream)
+
+    @property
+    def mapped(self) -> bool:
+        return bool(self.subject_prefix) or self.stream_name != "{stream}"
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Replication:
+        return cls(**{k: state[k] for k in ("source", "dest", "streams", "subject_prefix", "stream_name")})
+
+
+def _cluster(topo: Topology, site: str) -> NatsCluster:
+    try:
+        return topo.nats(site)
+    except Exception as exc:
+        raise UsageError(f"site {site!r}: {exc}") from None
+
+
+def _check(topo: Topology, rep: Replication) -> None:
+    if rep.source == rep.dest:
+        raise UsageError("--from and --to must be different sites")
+    for site in (rep.source, rep.dest):
+        _cluster(topo, site)
+    if "{stream}" not in rep.stream_name:
+        raise UsageError("--stream-name must contain {stream}")
+
+
+async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
+    async with bnats.session(cluster, name=CONTROL) as nc:
+        names = [s.config.name for s in await nc.jsm().streams_info()]
+    found = sorted(n for n in names if fnmatch.fnmatchcase(n, glob) and not n.startswith("KV_"))
+    if not found:
+        raise NotFound(f"no stream at {site} matches {glob!r}")
+    return found
+
+
+async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) -> list[str]:
+    """Create the destination streams that are missing, like their sources; the names created."""
+    created = []
+    async with (
+        bnats.session(_cluster(topo, rep.source), name=CONTROL) as snc,
+        bnats.session(_cluster(topo, rep.dest), name=CONTROL) as dnc,
+    ):
+        for stream in streams:
+            name = rep.dest_stream(stream)
+            with contextlib.suppress(Exception):
+                await dnc.jsm().stream_info(name)
+                continue
+            config = (await snc.jsm().stream_info(stream)).config
+            config.name = name
+            config.subjects = [rep.subject_prefix + s for s in config.subjects or []]
+            config.placement, config.mirror, config.sources = None, None, None
+            await dnc.jsm().add_stream(config)
+            created.append(name)
+    return created
+
+
+# -- where the destination is ----------------------------------------------------------------
+
+
+@dataclass
+class Held:
+    """Origin sequences of one source stream that the destination holds near its end."""
+
+    seqs: set[int] = field(default_factory=set)
+    whole: bool = False  # the scan read the whole destination stream
+
+    @property
+    def last(self) -> int:
+        return max(self.seqs, default=0)
+
+    def gaps(self) -> tuple[int, int]:
+        """(lo, hi): the origin range to re-check: below `last`, from the scan's lowest (or 1)."""
+        if not self.seqs:
+            return 1, 0
+        lo = 1 if self.whole else min(self.seqs)
+        return lo, self.last if len(self.seqs) < self.last - lo + 1 else 0
+
+
+async def held(cluster: NatsCluster, site: str, stream: str, origin: str, origin_stream: str) -> Held:
+    """Read the destination stream backwards until SCAN messages from (origin, origin_stream) are seen."""
+    out = Held()
+    async with bnats.session(cluster, name=CONTROL) as nc:
+        st = (await nc.jsm().stream_info(stream)).state
+    cfg = js.ReadConfig(cluster=cluster.model_dump_json(), name=site, streams=(stream,))
+    hi, window = st.last_seq, 5_000
+    while hi >= max(st.first_seq, 1) and len(out.seqs) < SCAN:
+        lo = max(st.first_seq, 1, hi - window + 1)
+        async for batch in js.read_range(cfg, js.Range(stream, lo, hi, 2_000)):
+            for headers in batch.column("headers").to_pylist():
+                h = dict(headers or ())
+                if h.get(ORIGIN_SITE_HDR) == origin and h.get(ORIGIN_STREAM_HDR) == origin_stream:
+                    out.seqs.add(int(h[ORIGIN_SEQ_HDR]))
+        hi, window = lo - 1, window * 2
+    out.whole = hi < max(st.first_seq, 1)
+    return out
+
+
+async def positions(topo: Topology, rep: Replication, streams: list[str]) -> dict[str, Held]:
+    cluster = _cluster(topo, rep.dest)
+    return {s: await held(cluster, rep.dest, rep.dest_stream(s), rep.source, s) for s in streams}
+
+
+# -- Spark jobs -------------------------------------------------------------------------------
+
+
+def _write_cfg(topo: Topology, rep: Replication) -> js.WriteConfig:
+    return js.WriteConfig(
+        cluster=_cluster(topo, rep.dest).model_dump_json(),
+        name=rep.dest,
+        origin_site=rep.source,
+        origin_headers=False,
+        subject_prefix=rep.subject_prefix,
+    )
+
+
+def _source_frame(spark: Any, topo: Topology, rep: Replication, stream: str, lo: int = 0, hi: int = 0) -> Any:
+    """The source stream's own messages (no origin header) as a DataFrame."""
+    from pyspark.sql import functions as F
+
+    reader = (
+        spark.read.format("jetstream")
+        .option("cluster", _cluster(topo, rep.source).model_dump_json())
+        .option("cluster_name", rep.source)
+        .option("stream", stream)
+    )
+    if lo:
+        reader = reader.option("start_seq", lo)
+    if hi:
+        reader = reader.option("end_seq", hi)
+    return reader.load().where(F.col("headers")[ORIGIN_SITE_HDR].isNull())
+
+
+def catch_up(spark: Any, topo: Topology, rep: Replication, stream: str, lo: int, hi: int, have: Any) -> int:
+    """Relay the source's own messages with lo <= seq <= hi (hi 0: to the end) that are not in
+    `have` (a DataFrame of ``source_seq``), in sequence order; the number relayed."""
+    cfg = _write_cfg(topo, rep)
+
+    def write(batches: Any) -> Any:
+        yield asyncio.run(js.write_batches(cfg, batches)).as_batch()
+
+    todo = _source_frame(spark, topo, rep, stream, lo, hi).join(have, "source_seq", "left_anti")
+    rows = todo.orderBy("source_seq").coalesce(1).mapInArrow(write, COUNTS_DDL).collect()
+    return sum(r["stored"] + r["duplicates"] for r in rows)
+
+
+def _held_frame(spark: Any, seqs: set[int]) -> Any:
+    return spark.createDataFrame([(s,) for s in sorted(seqs)], "source_seq long")
+
+
+def held_everywhere(spark: Any, topo: Topology, rep: Replication, stream: str) -> Any:
+    """Every origin sequence of `stream` the destination holds (a Spark read of the whole stream)."""
+    from pyspark.sql import functions as F
+
+    h = F.col("headers")
+    return (
+        spark.read.format("jetstream")
+        .option("cluster", _cluster(topo, rep.dest).model_dump_json())
+        .option("cluster_name", rep.dest)
+        .option("stream", rep.dest_stream(stream))
+        .load()
+        .where((h[ORIGIN_SITE_HDR] == rep.source) & (h[ORIGIN_STREAM_HDR] == stream))
+        .select(h[ORIGIN_SEQ_HDR].cast("long").alias("source_seq"))
+        .distinct()
+    )
+
+
+def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, int], checkpoint: str) -> Any:
+    """The relay: a streaming query over the source streams after `after`. Each read task publishes
+    its range to the destination itself (``relay_to``) and yields only counts, so no message
+    crosses the JVM. Measured here at 5,000 msg/s against a jetstream source -> jetstream sink
+    pair: the JVM went from 40 % to 12 % of a core and the sink's Python worker (40 %) is gone."""
+    cfg = _write_cfg(topo, rep)
+    relay_to = {
+        "cluster": cfg.cluster,
+        "cluster_name": rep.dest,
+        "origin_site": rep.source,
+        "origin_headers": "false",
+        "subject_prefix": rep.subject_prefix,
+    }
+    return (
+        spark.readStream.format("jetstream")
+        .option("cluster", _cluster(topo, rep.source).model_dump_json())
+        .option("cluster_name", rep.source)
+        .option("stream", ",".join(after))
+        .option("starting", json.dumps(after))
+        .option("max_messages_per_batch", MAX_BATCH)
+        .option("relay_to", json.dumps(relay_to))
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", checkpoint)
+        .trigger(processingTime=TRIGGER)
+        .queryName(f"ferry relay {rep.source} to {rep.dest}")
+        .start()
+    )
+
+
+def _offsets(query: Any) -> dict[str, int] | None:
+    """The source offsets of the last completed micro-batch."""
+    progress = query.lastProgress
+    if not progress:
+        return None
+    end = progress["sources"][0]["endOffset"]
+    return {k: int(v) for k, v in (json.loads(end) if isinstance(end, str) else end).items()}
+
+
+# -- the journal at the destination -----------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _journal(topo: Topology, site: str, key: str, stale_after: float = 10.0) -> Any:
+    async with bnats.session(_cluster(topo, site), name=CONTROL) as nc:
+        j = Journal(nc, key, stale_after=stale_after)
+        await j.open()
+        yield j
+
+
+async def _write_fields(j: Journal, **changes: Any) -> dict[str, Any]:
+    """Change fields of the key without taking ownership (a request to its owner); CAS, retried."""
+    for _ in range(20):
+        state = await j.open()
+        if state is None:
+            raise NotFound(f"nothing is defined under {j.key!r} (no such replication)")
+        state.update(changes)
+        try:
+            j.revision = await j.kv.update(j.key, json.dumps(state).encode(), last=j.revision)
+            return state
+        except Exception as exc:
+            if "wrong last sequence" not in str(exc).lower():
+                raise
+    raise Conflict(f"{j.key} keeps changing; try again")
+
+
+async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_marker: bool = True) -> dict[str, Any]:
+    """Define (or re-enable) a replication at its destination; create missing destination streams.
+
+    A stop marker of the same replication is kept (the relay starts there) unless `keep_marker` is
+    False (something else wrote to the destination since: it must be scanned)."""
+    _check(topo, rep)
+    streams = await _streams(_cluster(topo, rep.source), rep.streams, rep.source)
+    dest_streams = {s: rep.dest_stream(s) for s in streams}
+    if dry_run:
+        return {"dry_run": True, **asdict(rep), "dest_streams": dest_streams}
+    created = await _ensure_streams(topo, rep, streams)
+    async with _journal(topo, rep.dest, rep.key) as j:
+        state = await j.open()
+        if state and state.get("desired") == "running":
+            if Replication.from_state(state) != rep:
+                raise Conflict(
+                    f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
+                )
+            return {**state, "created": created, "already": True}
+        state = state or {"state": "defined"}
+        new = {**state, **asdict(rep), "desired": "running"}
+        if "source" in state and (not keep_marker or Replication.from_state(state) != rep):
+            new["marker"] = None
+        j.state = new
+        await j.save(release=True)
+    return {**new, "dest_streams": dest_streams, "created": created}
+
+
+async def stop(topo: Topology, source: str, dest: str, wait: float = 30.0, force: bool = False) -> dict[str, Any]:
+    """Ask the active relay to stop gracefully (it writes a stop marker); without one, mark it stopped."""
+    key = Replication(source, dest).key
+    async with _journal(topo, dest, key) as j:
+        state = await _write_fields(j, desired="stopped")
+        deadline = time.monotonic() + wait
+        while j.owner_alive(state) and state.get("state") != "stopped":
+            if time.monotonic() > deadline:
+                if not force:
+                    raise FerryError(f"the relay {source} -> {dest} did not stop within {wait:.0f}s")
+                break
+            await asyncio.sleep(0.3)
+            state = await j.open() or {}
+        if state.get("state") != "stopped" or j.owner_alive(state):
+            # nobody (alive) relays, or forced: fence the owner out; the next start scans
+            state = await _write_fields(j, state="stopped", owner=None, marker=None)
+        return state
+
+
+async def status(topo: Topology) -> list[dict[str, Any]]:
+    """Every replication defined at any reachable NATS site, with its progress."""
+    out = []
+    for site, name, cluster in topo.clusters():
+        if not isinstance(cluster, NatsCluster) or name != site:
+            continue
+        try:
+            async with _journal(topo, site, "") as j:
+                for key in sorted(await j.keys(["relay.*.*"])):
+                    state = await j.get(key) or {}
+                    out.append({**state, "leader": state.get("owner") if j.owner_alive(state) else None})
+        except FerryError as exc:
+            out.append({"dest": site, "error": str(exc)})
+    return out
+
+
+# -- the relay ----------------------------------------------------------------------------------
+
+
+class _Lease:
+    """The relay's hold on its journal key: every save (its own, and a heartbeat every `interval`
+    seconds, whatever Spark is doing) goes through here; it notices a stop request or a takeover."""
+
+    def __init__(self, j: Journal, interval: float) -> None:
+        self.j, self.interval = j, interval
+        self.lock = asyncio.Lock()
+        self.stop_requested = asyncio.Event()
+        self.lost = asyncio.Event()  # taken over, fenced, or released: no more saves
+
+    async def save(self, release: bool = False, **changes: Any) -> None:
+        async with self.lock:
+            for _ in range(3):
+                if self.lost.is_set():
+                    return
+                try:
+                    await self.j.save(release=release, **changes)
+                    if release:
+                        self.lost.set()
+                    return
+                except Conflict:
+                    fresh = await self.j.open()
+                if not fresh or fresh.get("owner") != self.j.owner():
+                    self.lost.set()
+                    return
+                self.j.state = fresh  # a request to this relay (the owner field is untouched)
+                if fresh.get("desired") != "running":
+                    self.stop_requested.set()
+
+    async def beat(self) -> None:
+        while not self.lost.is_set():
+            await asyncio.sleep(self.interval)
+            await self.save()
+
+
+class Relay:
+    """One `ferry replicate run` process: stands by, takes the lease, resumes, relays."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        source: str,
+        dest: str,
+        spark_factory: Callable[[], Any],
+        lease: float = 5.0,
+        emit: Emit = _quiet,
+        metrics: Any = None,
+    ) -> None:
+        self.topo, self.source, self.dest = topo, source, dest
+        self.spark_factory, self.lease, self.emit, self.metrics = spark_factory, lease, emit, metrics
+        self.spark: Any = None
+
+    async def run(self) -> dict[str, Any]:
+        key = Replication(self.source, self.dest).key
+        async with _journal(self.topo, self.dest, key, stale_after=max(1.0, self.lease - 1.0)) as j:
+            if await j.open() is None:
+                raise NotFound(f"no replication {self.source} -> {self.dest}; define it with `ferry replicate start`")
+            self.spark = await asyncio.to_thread(self.spark_factory)  # warm while standing by
+            leader = None
+            while True:
+                state = await j.open()
+                if state is None or state.get("desired") != "running":
+                    self.emit("stopped", state=(state or {}).get("state"))
+                    return state or {}
+                owner = state.get("owner")
+                if owner and owner != j.owner() and j.owner_alive(state):
+                    if owner != leader:
+                        self.emit("standby", leader=owner)
+                        leader = owner
+                    if self.metrics:
+                        self.metrics.active.set(0)
+                    await asyncio.sleep(0.5)
+                    continue
+                leader = None
+                j.state = state
+                try:
+                    await j.save(state="resuming", takeovers=state.get("takeovers", 0) + (owner is not None))
+                except Conflict:
+                    continue
+                self.emit("active", previous=owner)
+                lease = _Lease(j, min(1.0, self.lease / 5))
+                beat = asyncio.create_task(lease.beat())
+                try:
+                    if await self._active(lease) == "stopped":
+                        return j.state
+                except Exception as exc:  # a relay keeps trying: the source may come back
+                    self.emit("error", message=_first_line(exc))
+                    await lease.save(release=True, state="failed", error=_first_line(exc))
+                    await asyncio.sleep(2.0)
+                finally:
+                    beat.cancel()
+
+    async def _active(self, lease: _Lease) -> str:
+        """Relay until stopped ("stopped") or the lease is lost ("lost")."""
+        j = lease.j
+        rep = Replication.from_state(j.state)
+        streams = await _streams(_cluster(self.topo, rep.source), rep.streams, rep.source)
+        created = await _ensure_streams(self.topo, rep, streams)
+        marker = j.state.get("marker") or {}
+        if set(streams) <= set(marker):
+            after, replayed, how = {s: int(marker[s]) for s in streams}, 0, "marker"
+        else:
+            t0 = time.monotonic()
+            found = await positions(self.topo, rep, streams)
+            after, replayed, how = {s: h.last for s, h in found.items()}, 0, "destination"
+            for s, h in found.items():
+                lo, hi = h.gaps()
+                if hi and not lease.lost.is_set():
+                    have = _held_frame(self.spark, h.seqs)
+                    replayed += await asyncio.to_thread(catch_up, self.spark, self.topo, rep, s, lo, hi, have)
+            self.emit("replayed", messages=replayed, seconds=round(time.monotonic() - t0, 2))
+        if lease.lost.is_set():
+            return "lost"
+        self.emit("resume", source=how, after=after, created=created)
+        await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
+        checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
+        query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint)
+        tracker, warm = _Progress(self.topo, rep, after), False
+        try:
+            while not lease.lost.is_set():
+                if lease.stop_requested.is_set():
+                    await asyncio.to_thread(query.stop)
+                    await self._stop_marker(lease, rep, streams)
+                    return "stopped"
+                if not query.isActive:
+                    raise FerryError(f"the relay's Spark query failed: {_first_line(query.exception())}")
+                offsets = _offsets(query)
+                if offsets is not None and not warm:
+                    warm = True
+                    self.emit("relaying")  # the first micro-batch is done: Spark's workers are up
+                j.state["progress"] = await tracker.update(offsets)
+                if self.metrics:
+                    self.metrics.update(rep, j.state["progress"])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lease.stop_requested.wait(), 1.0)
+            self.emit("lost", owner=(await j.open() or {}).get("owner"))
+            return "lost"
+        finally:
+            if query.isActive:
+                await asyncio.to_thread(query.stop)
+            shutil.rmtree(checkpoint, ignore_errors=True)
+
+    async def _stop_marker(self, lease: _Lease, rep: Replication, streams: list[str]) -> None:
+        """After a graceful stop: the exact position per stream, unless something is missing below it."""
+        await _settle(_cluster(self.topo, rep.dest), [rep.dest_stream(s) for s in streams])
+        found = await positions(self.topo, rep, streams)
+        exact = all(not h.gaps()[1] for h in found.values())
+        marker = {s: h.last for s, h in found.items()} if exact else None
+        await lease.save(release=True, state="stopped", marker=marker)
+        self.emit("stopped", marker=marker)
+
+
+async def _settle(cluster: NatsCluster, streams: list[str], quiet: float = 0.5, limit: float = 5.0) -> None:
+    """Wait until the streams' last sequences stop moving (late publishes of a stopped query)."""
+    async with bnats.session(cluster, name=CONTROL) as nc:
+        jsm, last, deadline = nc.jsm(), None, time.monotonic() + limit
+        while time.monotonic() < deadline:
+            now = [(await jsm.stream_info(s)).state.last_seq for s in streams]
+            if now == last:
+                return
+            last = now
+            await asyncio.sleep(quiet)
+
+
+class _Progress:
+    """Per stream: last relayed origin sequence, lag in messages and seconds, rate."""
+
+    def __init__(self, topo: Topology, rep: Replication, after: dict[str, int]) -> None:
+        self.cluster = _cluster(topo, rep.source)
+        self.relayed = dict(after)
+        self.then = (time.monotonic(), dict(after))
+
+    async def update(self, offsets: dict[str, int] | None) -> dict[str, dict[str, Any]]:
+        if offsets:
+            self.relayed.update(offsets)
+        t0, before = self.then
+        now = time.monotonic()
+        self.then = (now, dict(self.relayed))
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            async with bnats.session(self.cluster, name=CONTROL, timeout=2) as nc:
+                jsm = nc.jsm(timeout=2)
+                for s, r in self.relayed.items():
+                    last = (await jsm.stream_info(s)).state.last_seq
+                    lag_s = 0.0
+                    if last > r:
+                        with contextlib.suppress(Exception):
+                            lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
+                    out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
+        except Exception:  # the source is unreachable: lag unknown
+            out = {s: {"relayed": r, "source_last": None, "lag": None, "lag_s": None} for s, r in self.relayed.items()}
+        for s, row in out.items():
+            row["rate"] = round((self.relayed[s] - before.get(s, 0)) / max(now - t0, 1e-6), 1)
+        return out
+
+
+def _first_line(exc: Any) -> str:
+    return str(exc or "stopped").strip().splitlines()[0][:300] if exc else "stopped"
+
+
+class Metrics:
+    """Prometheus gauges of one relay, served on ``port``."""
+
+    def __init__(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        labels = ["source", "dest", "stream"]
+        g = lambda name, doc: Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self.relayed = g("ferry_replicate_relayed_seq", "Last source sequence relayed")
+        self.lag = g("ferry_replicate_lag_messages", "Source messages not relayed yet")
+        self.lag_s = g("ferry_replicate_lag_seconds", "Age of the oldest message not relayed yet")
+        self.rate = g("ferry_replicate_rate", "Source sequences relayed per second")
+        self.active = Gauge("ferry_replicate_active", "1 when this process holds the lease", registry=self.registry)
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+
+    def update(self, rep: Replication, progress: dict[str, dict[str, Any]]) -> None:
+        self.active.set(1)
+        for stream, p in progress.items():
+            labels = (rep.source, rep.dest, stream)
+            self.relayed.labels(*labels).set(p["relayed"])
+            self.rate.labels(*labels).set(p["rate"])
+            if p["lag"] is not None:
+                self.lag.labels(*labels).set(p["lag"])
+                self.lag_s.labels(*labels).set(p["lag_s"])
+
+
+# -- sites ------------------------------------------------------------------------------------
+
+
+async def _site_record(topo: Topology, site: str) -> dict[str, Any] | None:
+    async with _journal(topo, site, "site") as j:
+        return await j.get("site")
+
+
+async def _save_site(topo: Topology, site: str, record: dict[str, Any]) -> None:
+    async with _journal(topo, site, "site") as j:
+        await j.open()
+        j.state = record
+        await j.save(release=True)
+
+
+async def _reachable(topo: Topology, site: str) -> bool:
+    try:
+        async with bnats.session(_cluster(topo, site), name=CONTROL, timeout=2):
+            return True
+    except FerryError:
+        return False
+
+
+async def failover(
+    topo: Topology, to: str, source: str | None = None, emit: Emit = _quiet, reverse: bool = False, wait: float = 600
+) -> dict[str, Any]:
+    """Stop SOURCE -> TO (fencing its relay), record what TO holds, make TO the primary; with
+    `reverse`, define TO -> SOURCE once SOURCE answers (within `wait` seconds)."""
+    async with _journal(topo, to, "") as j:
+        keys = await j.keys([f"relay.*.{to}"])
+        defs = {k: await j.get(k) or {} for k in keys}
+    sources = sorted({d["source"] for d in defs.values() if d.get("source")} if not source else {source})
+    if len(sources) != 1:
+        raise UsageError(f"which site fails over to {to}? pass --from (replications into {to}: {sources or 'none'})")
+    (src,) = sources
+    state = defs.get(Replication(src, to).key)
+    if not state:
+        raise NotFound(f"no replication {src} -> {to} to fail over")
+    rep = Replication.from_state(state)
+    if rep.mapped:
+        raise UsageError("site failover needs a replication without stream or subject mapping")
+    stopped = await stop(topo, src, to, wait=10.0, force=True)
+    emit("fenced", replication=f"{src} -> {to}", marker=stopped.get("marker"))
+    streams = sorted((stopped.get("progress") or {}) or (stopped.get("resumed_after") or {}))
+    if not streams:
+        streams = await _streams(_cluster(topo, to), rep.streams, to)
+    found = await positions(topo, rep, streams)
+    replicated = {s: h.last for s, h in found.items()}
+    record = {
+        "primary": to,
+        "failover": {"from": src, "at": time.time(), "replicated": replicated, "streams": rep.streams},
+    }
+    await _save_site(topo, to, record)
+    emit("primary", site=to, replicated=replicated)
+    source_up = await _reachable(topo, src)
+    deadline = time.monotonic() + (wait if reverse else 0)
+    while not source_up and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        source_up = await _reachable(topo, src)
+    if source_up:
+        await _save_site(topo, src, record)
+    result = {**record, "source_reachable": source_up}
+    if reverse:
+        if not source_up:
+            raise FerryError(f"{to} is primary, but {src} did not answer within {wait:.0f}s: no reverse replication")
+        result["reverse"] = await start(topo, Replication(to, src, rep.streams), keep_marker=False)
+        emit("reverse", replication=f"{to} -> {src}")
+    return result
+
+
+async def failback(
+    topo: Topology, to: str, spark_factory: Callable[[], Any], emit: Emit = _quiet, dry_run: bool = False
+) -> dict[str, Any]:
+    """Reconcile both sites by origin sequence, make TO the primary again, define TO -> other."""
+    record = None
+    for _, name, cluster in topo.clusters():
+        if isinstance(cluster, NatsCluster) and name != to and await _reachable(topo, name):
+            got = await _site_record(topo, name)
+            if got and got.get("primary") == name and (got.get("failover") or {}).get("from") == to:
+                record, primary = got, name
+                break
+    if record is None:
+        raise NotFound(f"no site failed over from {to} (nothing to fail back)")
+    if not await _reachable(topo, to):
+        raise FerryError(f"site {to} is not reachable; fail back once it is up")
+    fo = record["failover"]
+    back, forth = Replication(primary, to, fo["streams"]), Replication(to, primary, fo["streams"])
+    streams = sorted(fo["replicated"])
+    if dry_run:
+        return {"dry_run": True, "primary": primary, "to": to, "streams": streams}
+    with contextlib.suppress(NotFound):
+        await stop(topo, primary, to, wait=10.0, force=True)  # a reverse replication, if one ran
+    await _ensure_streams(topo, back, streams)
+    spark = await asyncio.to_thread(spark_factory)
+    report: dict[str, Any] = {"primary_was": primary, "to": to, "streams": {}}
+    for s in streams:
+        # what TO acked but never relayed before it failed (the RPO), then what was written at `primary`
+        rpo = await asyncio.to_thread(_count_after, spark, topo, forth, s, int(fo["replicated"][s]))
+        sent_forth = await asyncio.to_thread(
+            catch_up, spark, topo, forth, s, 1, 0, held_everywhere(spark, topo, forth, s)
+        )
+        sent_back = await asyncio.to_thread(catch_up, spark, topo, back, s, 1, 0, held_everywhere(spark, topo, back, s))
+        report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back}
+        emit("reconciled", stream=s, **report["streams"][s])
+    new = {"primary": to, "failback": {"from": primary, "at": time.time()}}
+    for site in (to, primary):
+        await _save_site(topo, site, new)
+    again = await start(topo, forth, keep_marker=False)  # the reconciliation moved its position
+    report["replication"] = f"{forth.source} -> {forth.dest} defined again ({again.get('desired')}); run relays"
+    return report
+
+
+def _count_after(spark: Any, topo: Topology, rep: Replication, stream: str, after: int) -> int:
+    """The source's own messages after sequence `after`."""
+    return int(_source_frame(spark, topo, rep, stream, after + 1).count()) if after >= 0 else 0

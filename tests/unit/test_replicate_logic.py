@@ -1,0 +1,43 @@
+"""Pure logic of `ferry replicate`: where a relay resumes, and the replication's naming."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry.ops.replicate import Held, Replication
+
+
+def test_resume_after_the_highest_and_recheck_only_holes() -> None:
+    assert Held().gaps() == (1, 0) and Held().last == 0  # nothing relayed: start at the beginning
+    contiguous = Held(set(range(5, 101)))
+    assert contiguous.last == 100 and contiguous.gaps() == (5, 0)  # no hole: nothing to replay
+    holes = Held(set(range(5, 101)) - {50, 97})
+    assert holes.gaps() == (5, 100)  # a dead relay's unacked publishes: re-check 5..100
+    whole = Held(set(range(3, 11)), whole=True)
+    assert whole.gaps() == (1, 10)  # the whole destination was read: 1 and 2 are missing too
+
+
+def test_mapping_and_key() -> None:
+    rep = Replication("nyc", "sfo", "ORD*", subject_prefix="nyc.", stream_name="NYC_{stream}")
+    assert rep.key == "relay.nyc.sfo" and rep.dest_stream("ORDERS") == "NYC_ORDERS" and rep.mapped
+    assert not Replication("nyc", "sfo").mapped
+    assert Replication.from_state({**rep.__dict__, "desired": "running", "owner": None}) == rep
+
+
+@pytest.mark.parametrize("name", ["X", "{streams}"])
+def test_stream_name_needs_the_placeholder(name: str) -> None:
+    from ferry.errors import UsageError
+    from ferry.ops.replicate import _check
+    from ferry.topology import Topology
+
+    topo = Topology.model_validate(
+        {
+            "version": 1,
+            "sites": {
+                s: {"clusters": {s: {"kind": "nats", "brokers": [{"name": f"{s}-1", "url": "nats://127.0.0.1:4222"}]}}}
+                for s in ("nyc", "sfo")
+            },
+        }
+    )
+    with pytest.raises(UsageError, match="must contain"):
+        _check(topo, Replication("nyc", "sfo", stream_name=name))
