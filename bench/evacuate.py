@@ -229,7 +229,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--rate", type=int, default=100, help="ferry's --conn-evict-rate")
+    parser.add_argument("--quick", action="store_true", help="300 clients at 30/s")
     a = parser.parse_args()
+    if a.quick:
+        a.clients, a.rate = 300, 30
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the lab below is taken down
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
     root.chmod(0o755)

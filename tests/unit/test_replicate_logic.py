@@ -8,13 +8,18 @@ from ferry.ops.replicate import Held, Replication
 
 
 def test_resume_after_the_highest_and_recheck_only_holes() -> None:
-    assert Held().gaps() == (1, 0) and Held().last == 0  # nothing relayed: start at the beginning
+    assert Held().holes() is None and Held().last == 0  # nothing relayed: start at the beginning
     contiguous = Held(set(range(5, 101)))
-    assert contiguous.last == 100 and contiguous.gaps() == (5, 0)  # no hole: nothing to replay
+    assert contiguous.last == 100 and contiguous.holes() is None  # no hole: nothing to replay
     holes = Held(set(range(5, 101)) - {50, 97})
-    assert holes.gaps() == (5, 100)  # a dead relay's unacked publishes: re-check 5..100
+    assert holes.holes() == (5, 100)  # a dead relay's unacked publishes: re-check 5..100
     whole = Held(set(range(3, 11)), whole=True)
-    assert whole.gaps() == (1, 10)  # the whole destination was read: 1 and 2 are missing too
+    assert whole.holes() == (1, 10)  # the whole destination was read: 1 and 2 are missing too
+    # a finished micro-batch's end is a floor: nothing at or below it is re-checked, even when the
+    # destination no longer holds it, and it is the resume point when the scan found less
+    assert Held(set(range(5, 101)) - {50}, floor=60).holes() is None
+    assert Held(set(range(5, 101)) - {97}, floor=60).holes() == (61, 100)
+    assert Held(set(), floor=70).last == 70 and Held(set(), floor=70).holes() is None
 
 
 def test_mapping_and_key() -> None:

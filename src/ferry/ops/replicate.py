@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ferry.brokers import nats as bnats
-from ferry.errors import Conflict, FerryError, NotFound, UsageError
+from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError
 from ferry.ops.journal import Journal
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
@@ -99,8 +99,12 @@ def _check(topo: Topology, rep: Replication) -> None:
         raise UsageError("--from and --to must be different sites")
     for site in (rep.source, rep.dest):
         _cluster(topo, site)
-    if "{stream}" not in rep.stream_name:
-        raise UsageError("--stream-name must contain {stream}")
+    try:
+        ok = "{stream}" in rep.stream_name and bool(rep.stream_name.format(stream="S"))
+    except (KeyError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise UsageError("--stream-name must contain {stream} and no other {...}")
 
 
 async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
@@ -114,6 +118,9 @@ async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
 
 async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) -> list[str]:
     """Create the destination streams that are missing, like their sources; the names created."""
+    from nats.js.api import RetentionPolicy
+    from nats.js.errors import APIError, NotFoundError
+
     created = []
     async with (
         bnats.session(_cluster(topo, rep.source), name=CONTROL) as snc,
@@ -121,15 +128,22 @@ async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) 
     ):
         for stream in streams:
             name = rep.dest_stream(stream)
-            with contextlib.suppress(Exception):
-                await dnc.jsm().stream_info(name)
-                continue
-            config = (await snc.jsm().stream_info(stream)).config
-            config.name = name
-            config.subjects = [rep.subject_prefix + s for s in config.subjects or []]
-            config.placement, config.mirror, config.sources = None, None, None
-            await dnc.jsm().add_stream(config)
-            created.append(name)
+            try:
+                config = (await dnc.jsm().stream_info(name)).config
+            except NotFoundError:
+                config = (await snc.jsm().stream_info(stream)).config
+                config.name = name
+                config.subjects = [rep.subject_prefix + s for s in config.subjects or []]
+                config.placement, config.mirror, config.sources = None, None, None
+                config.retention = RetentionPolicy.LIMITS
+                try:
+                    await dnc.jsm().add_stream(config)
+                except APIError as exc:
+                    raise FerryError(f"cannot create {name} at {rep.dest}: {exc.description}") from None
+                created.append(name)
+            if config.retention != RetentionPolicy.LIMITS:
+                # the resume point is read from what the destination holds: it must not delete on its own
+                raise UsageError(f"{name} at {rep.dest} must have limits retention (it has {config.retention})")
     return created
 
 
@@ -142,17 +156,17 @@ class Held:
 
     seqs: set[int] = field(default_factory=set)
     whole: bool = False  # the scan read the whole destination stream
+    floor: int = 0  # relayed for sure (a finished micro-batch's end): no hole at or below it
 
     @property
     def last(self) -> int:
-        return max(self.seqs, default=0)
+        return max(self.floor, max(self.seqs, default=0))
 
-    def gaps(self) -> tuple[int, int]:
-        """(lo, hi): the origin range to re-check: below `last`, from the scan's lowest (or 1)."""
-        if not self.seqs:
-            return 1, 0
-        lo = 1 if self.whole else min(self.seqs)
-        return lo, self.last if len(self.seqs) < self.last - lo + 1 else 0
+    def holes(self) -> tuple[int, int] | None:
+        """(lo, hi), the origin range to re-check for holes below `last`; None when there is none."""
+        lo = max(self.floor + 1, 1 if self.whole or not self.seqs else min(self.seqs))
+        wanted = self.last - lo + 1
+        return (lo, self.last) if wanted > 0 and len([x for x in self.seqs if x >= lo]) < wanted else None
 
 
 async def held(cluster: NatsCluster, site: str, stream: str, origin: str, origin_stream: str) -> Held:
@@ -174,9 +188,14 @@ async def held(cluster: NatsCluster, site: str, stream: str, origin: str, origin
     return out
 
 
-async def positions(topo: Topology, rep: Replication, streams: list[str]) -> dict[str, Held]:
+async def positions(
+    topo: Topology, rep: Replication, streams: list[str], floors: dict[str, int] | None = None
+) -> dict[str, Held]:
     cluster = _cluster(topo, rep.dest)
-    return {s: await held(cluster, rep.dest, rep.dest_stream(s), rep.source, s) for s in streams}
+    out = {s: await held(cluster, rep.dest, rep.dest_stream(s), rep.source, s) for s in streams}
+    for s, h in out.items():
+        h.floor = (floors or {}).get(s, 0)
+    return out
 
 
 # -- Spark jobs -------------------------------------------------------------------------------
@@ -295,6 +314,8 @@ async def _journal(topo: Topology, site: str, key: str, stale_after: float = 10.
 
 async def _write_fields(j: Journal, **changes: Any) -> dict[str, Any]:
     """Change fields of the key without taking ownership (a request to its owner); CAS, retried."""
+    from nats.js.errors import KeyWrongLastSequenceError
+
     for _ in range(20):
         state = await j.open()
         if state is None:
@@ -303,9 +324,8 @@ async def _write_fields(j: Journal, **changes: Any) -> dict[str, Any]:
         try:
             j.revision = await j.kv.update(j.key, json.dumps(state).encode(), last=j.revision)
             return state
-        except Exception as exc:
-            if "wrong last sequence" not in str(exc).lower():
-                raise
+        except KeyWrongLastSequenceError:
+            continue
     raise Conflict(f"{j.key} keeps changing; try again")
 
 
@@ -319,7 +339,6 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
     dest_streams = {s: rep.dest_stream(s) for s in streams}
     if dry_run:
         return {"dry_run": True, **asdict(rep), "dest_streams": dest_streams}
-    created = await _ensure_streams(topo, rep, streams)
     async with _journal(topo, rep.dest, rep.key) as j:
         state = await j.open()
         if state and state.get("desired") == "running":
@@ -327,10 +346,15 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
                 raise Conflict(
                     f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
                 )
-            return {**state, "created": created, "already": True}
+            return {**state, "created": await _ensure_streams(topo, rep, streams), "already": True}
+        if state and j.owner_alive(state):
+            raise Conflict(f"the relay {rep.source} -> {rep.dest} is still stopping; try again in a few seconds")
+        created = await _ensure_streams(topo, rep, streams)
         state = state or {"state": "defined"}
         new = {**state, **asdict(rep), "desired": "running"}
-        if "source" in state and (not keep_marker or Replication.from_state(state) != rep):
+        if "source" in state and Replication.from_state(state) != rep:
+            new["marker"], new["progress"] = None, None  # positions in other streams
+        elif not keep_marker:
             new["marker"] = None
         j.state = new
         await j.save(release=True)
@@ -367,8 +391,8 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
                 for key in sorted(await j.keys(["relay.*.*"])):
                     state = await j.get(key) or {}
                     out.append({**state, "leader": state.get("owner") if j.owner_alive(state) else None})
-        except FerryError as exc:
-            out.append({"dest": site, "error": str(exc)})
+        except Exception as exc:  # one unreachable site must not hide the others
+            out.append({"dest": site, "error": _first_line(exc)})
     return out
 
 
@@ -383,26 +407,35 @@ class _Lease:
         self.j, self.interval = j, interval
         self.lock = asyncio.Lock()
         self.stop_requested = asyncio.Event()
-        self.lost = asyncio.Event()  # taken over, fenced, or released: no more saves
+        self.lost = asyncio.Event()  # taken over, fenced, released, or unsaved too long: no more relaying
+        self.saved_at = time.monotonic()
 
     async def save(self, release: bool = False, **changes: Any) -> None:
         async with self.lock:
-            for _ in range(3):
-                if self.lost.is_set():
-                    return
-                try:
-                    await self.j.save(release=release, **changes)
-                    if release:
-                        self.lost.set()
-                    return
-                except Conflict:
-                    fresh = await self.j.open()
-                if not fresh or fresh.get("owner") != self.j.owner():
+            try:
+                await self._save(release, changes)
+            except Exception:  # the destination's KV did not answer: a standby may take over soon
+                if time.monotonic() - self.saved_at > self.j.stale_after:
                     self.lost.set()
-                    return
-                self.j.state = fresh  # a request to this relay (the owner field is untouched)
-                if fresh.get("desired") != "running":
-                    self.stop_requested.set()
+
+    async def _save(self, release: bool, changes: dict[str, Any]) -> None:
+        for _ in range(3):
+            if self.lost.is_set():
+                return
+            try:
+                await self.j.save(release=release, **changes)
+                self.saved_at = time.monotonic()
+                if release:
+                    self.lost.set()
+                return
+            except Conflict:
+                fresh = await self.j.open()
+            if not fresh or fresh.get("owner") != self.j.owner():
+                self.lost.set()
+                return
+            self.j.state = fresh  # a request to this relay (the owner field is untouched)
+            if fresh.get("desired") != "running":
+                self.stop_requested.set()
 
     async def beat(self) -> None:
         while not self.lost.is_set():
@@ -433,9 +466,15 @@ class Relay:
             if await j.open() is None:
                 raise NotFound(f"no replication {self.source} -> {self.dest}; define it with `ferry replicate start`")
             self.spark = await asyncio.to_thread(self.spark_factory)  # warm while standing by
-            leader = None
+            leader, backoff = None, 2.0
             while True:
-                state = await j.open()
+                try:
+                    state = await j.open()
+                except Exception as exc:  # the destination is unreachable: keep trying
+                    self.emit("error", message=_first_line(exc))
+                    await asyncio.sleep(backoff)
+                    backoff = min(30.0, backoff * 2)
+                    continue
                 if state is None or state.get("desired") != "running":
                     self.emit("stopped", state=(state or {}).get("state"))
                     return state or {}
@@ -452,18 +491,20 @@ class Relay:
                 j.state = state
                 try:
                     await j.save(state="resuming", takeovers=state.get("takeovers", 0) + (owner is not None))
-                except Conflict:
+                except Exception:  # taken by another standby first, or the KV did not answer
+                    await asyncio.sleep(0.5)
                     continue
                 self.emit("active", previous=owner)
                 lease = _Lease(j, min(1.0, self.lease / 5))
                 beat = asyncio.create_task(lease.beat())
                 try:
-                    if await self._active(lease) == "stopped":
-                        return j.state
+                    await self._active(lease)  # until stopped or the lease is lost; the loop decides
+                    backoff = 2.0
                 except Exception as exc:  # a relay keeps trying: the source may come back
                     self.emit("error", message=_first_line(exc))
                     await lease.save(release=True, state="failed", error=_first_line(exc))
-                    await asyncio.sleep(2.0)
+                    await asyncio.sleep(backoff)
+                    backoff = min(30.0, backoff * 2)
                 finally:
                     beat.cancel()
 
@@ -478,17 +519,17 @@ class Relay:
             after, replayed, how = {s: int(marker[s]) for s in streams}, 0, "marker"
         else:
             t0 = time.monotonic()
-            found = await positions(self.topo, rep, streams)
+            floors = {s: int(p["relayed"]) for s, p in (j.state.get("progress") or {}).items() if p.get("relayed")}
+            found = await positions(self.topo, rep, streams, floors)
             after, replayed, how = {s: h.last for s, h in found.items()}, 0, "destination"
             for s, h in found.items():
-                lo, hi = h.gaps()
-                if hi and not lease.lost.is_set():
-                    have = _held_frame(self.spark, h.seqs)
-                    replayed += await asyncio.to_thread(catch_up, self.spark, self.topo, rep, s, lo, hi, have)
+                if (holes := h.holes()) and not lease.lost.is_set():
+                    replayed += await asyncio.to_thread(self._replay, rep, s, holes, h.seqs)
             self.emit("replayed", messages=replayed, seconds=round(time.monotonic() - t0, 2))
         if lease.lost.is_set():
             return "lost"
         self.emit("resume", source=how, after=after, created=created)
+        j.state["progress"] = {s: {"relayed": n} for s, n in after.items()}
         await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
         checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
         query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint)
@@ -517,11 +558,15 @@ class Relay:
                 await asyncio.to_thread(query.stop)
             shutil.rmtree(checkpoint, ignore_errors=True)
 
+    def _replay(self, rep: Replication, stream: str, holes: tuple[int, int], seqs: set[int]) -> int:
+        return catch_up(self.spark, self.topo, rep, stream, *holes, _held_frame(self.spark, seqs))
+
     async def _stop_marker(self, lease: _Lease, rep: Replication, streams: list[str]) -> None:
         """After a graceful stop: the exact position per stream, unless something is missing below it."""
         await _settle(_cluster(self.topo, rep.dest), [rep.dest_stream(s) for s in streams])
-        found = await positions(self.topo, rep, streams)
-        exact = all(not h.gaps()[1] for h in found.values())
+        floors = {s: int(p["relayed"]) for s, p in (lease.j.state.get("progress") or {}).items() if p.get("relayed")}
+        found = await positions(self.topo, rep, streams, floors)
+        exact = all(h.holes() is None for h in found.values())
         marker = {s: h.last for s, h in found.items()} if exact else None
         await lease.save(release=True, state="stopped", marker=marker)
         self.emit("stopped", marker=marker)
@@ -572,7 +617,8 @@ class _Progress:
 
 
 def _first_line(exc: Any) -> str:
-    return str(exc or "stopped").strip().splitlines()[0][:300] if exc else "stopped"
+    text = str(exc or "").strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__ if exc else "stopped"
 
 
 class Metrics:
@@ -589,7 +635,10 @@ class Metrics:
         self.lag_s = g("ferry_replicate_lag_seconds", "Age of the oldest message not relayed yet")
         self.rate = g("ferry_replicate_rate", "Source sequences relayed per second")
         self.active = Gauge("ferry_replicate_active", "1 when this process holds the lease", registry=self.registry)
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        try:
+            start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {port}: {exc.strerror}") from None
 
     def update(self, rep: Replication, progress: dict[str, dict[str, Any]]) -> None:
         self.active.set(1)
@@ -675,7 +724,10 @@ async def failover(
 async def failback(
     topo: Topology, to: str, spark_factory: Callable[[], Any], emit: Emit = _quiet, dry_run: bool = False
 ) -> dict[str, Any]:
-    """Reconcile both sites by origin sequence, make TO the primary again, define TO -> other."""
+    """Reconcile both sites by origin sequence, make TO the primary again, define TO -> other.
+
+    Run it once clients write to TO again (or not at all): what the old primary stores after its
+    stream was read here is not copied."""
     record = None
     for _, name, cluster in topo.clusters():
         if isinstance(cluster, NatsCluster) and name != to and await _reachable(topo, name):
@@ -716,4 +768,4 @@ async def failback(
 
 def _count_after(spark: Any, topo: Topology, rep: Replication, stream: str, after: int) -> int:
     """The source's own messages after sequence `after`."""
-    return int(_source_frame(spark, topo, rep, stream, after + 1).count()) if after >= 0 else 0
+    return int(_source_frame(spark, topo, rep, stream, after + 1).count())

@@ -458,7 +458,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         for stream in self.cfg.streams:
             lo, hi = int(start.get(stream, 0)) + 1, int(end.get(stream, 0))
             ranges += split(stream, lo, hi, self.parts, self.cfg.fetch or 1000)
-        if not ranges and not self.warm:  # start a Python worker now, not with the first message
+        if self.relay and not ranges and not self.warm:  # start the Python worker now, not with the first message
             ranges = [Range(self.cfg.streams[0], 1, 0)]
         self.warm = True
         return ranges
@@ -654,6 +654,8 @@ class JetStreamDataSource(DataSource):
         return COUNTS_DDL if "relay_to" in self.options else SPARK_DDL
 
     def reader(self, schema: Any) -> JetStreamReader:
+        if "relay_to" in self.options:
+            raise ConfigError("jetstream: relay_to is an option of streaming reads")
         return JetStreamReader(ReadConfig.from_options(dict(self.options)))
 
     def streamReader(self, schema: Any) -> JetStreamStreamReader:
