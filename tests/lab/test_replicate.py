@@ -20,6 +20,7 @@ import pytest
 
 from ferry import lab
 from ferry.lab.procs import free_ports
+from ferry.topology import load_topology
 from tests.helpers import FERRY, ferry, make_stream, read_stream, stream_count, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,20 +106,14 @@ def topology(sites: lab.LabState) -> Path:
 
 
 def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") -> None:
-    topo = profile_topology_of(topology)
+    topo = load_topology(topology)
     for site in {source, dest}:
         asyncio.run(make_stream(topo, site, stream, [f"{stream.lower()}.>"], replicas=1))
     ferry("replicate", "start", "--from", source, "--to", dest, "--streams", stream, topology=topology, check=True)
 
 
-def profile_topology_of(topology: Path) -> Any:
-    from ferry.topology import load_topology
-
-    return load_topology(topology)
-
-
 def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path) -> None:
-    topo = profile_topology_of(topology)
+    topo = load_topology(topology)
     define(topology, "RATE")
     (port,) = free_ports(1)
     relay = Relay(topology, tmp_path, "nyc", "sfo", "--metrics-port", str(port))
@@ -162,7 +157,7 @@ def ferry_progress(topology: Path) -> dict[str, Any]:
 
 
 def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(topology: Path, tmp_path: Path) -> None:
-    topo = profile_topology_of(topology)
+    topo = load_topology(topology)
     define(topology, "FAIL")
     a, b, c = Relay(topology, tmp_path, "nyc", "sfo"), None, None
     try:
@@ -200,7 +195,7 @@ def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(top
 
 
 def test_both_ways_without_cycles(topology: Path, tmp_path: Path) -> None:
-    topo = profile_topology_of(topology)
+    topo = load_topology(topology)
     define(topology, "BI", "nyc", "sfo")
     define(topology, "BI", "sfo", "nyc")
     relays = [Relay(topology, tmp_path, "nyc", "sfo"), Relay(topology, tmp_path, "sfo", "nyc")]
@@ -233,7 +228,7 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
 ) -> None:
     """Load at nyc; the relay falls behind (paused) and nyc dies; fail over to sfo; load at sfo;
     nyc returns; fail back: every acked message exists exactly once at both sites."""
-    topo = profile_topology_of(topology)
+    topo = load_topology(topology)
     define(topology, "CYC")
     relay = Relay(topology, tmp_path, "nyc", "sfo")
     nyc = sites.proc("nyc-1")

@@ -519,8 +519,7 @@ class Relay:
             after, replayed, how = {s: int(marker[s]) for s in streams}, 0, "marker"
         else:
             t0 = time.monotonic()
-            floors = {s: int(p["relayed"]) for s, p in (j.state.get("progress") or {}).items() if p.get("relayed")}
-            found = await positions(self.topo, rep, streams, floors)
+            found = await positions(self.topo, rep, streams, _floors(j.state))
             after, replayed, how = {s: h.last for s, h in found.items()}, 0, "destination"
             for s, h in found.items():
                 if (holes := h.holes()) and not lease.lost.is_set():
@@ -557,6 +556,7 @@ class Relay:
             if query.isActive:
                 await asyncio.to_thread(query.stop)
             shutil.rmtree(checkpoint, ignore_errors=True)
+            await tracker.close()
 
     def _replay(self, rep: Replication, stream: str, holes: tuple[int, int], seqs: set[int]) -> int:
         return catch_up(self.spark, self.topo, rep, stream, *holes, _held_frame(self.spark, seqs))
@@ -564,12 +564,16 @@ class Relay:
     async def _stop_marker(self, lease: _Lease, rep: Replication, streams: list[str]) -> None:
         """After a graceful stop: the exact position per stream, unless something is missing below it."""
         await _settle(_cluster(self.topo, rep.dest), [rep.dest_stream(s) for s in streams])
-        floors = {s: int(p["relayed"]) for s, p in (lease.j.state.get("progress") or {}).items() if p.get("relayed")}
-        found = await positions(self.topo, rep, streams, floors)
+        found = await positions(self.topo, rep, streams, _floors(lease.j.state))
         exact = all(h.holes() is None for h in found.values())
         marker = {s: h.last for s, h in found.items()} if exact else None
         await lease.save(release=True, state="stopped", marker=marker)
         self.emit("stopped", marker=marker)
+
+
+def _floors(state: dict[str, Any]) -> dict[str, int]:
+    """Per stream, the end of the last micro-batch a relay finished (all of it acked downstream)."""
+    return {s: int(p["relayed"]) for s, p in (state.get("progress") or {}).items() if p.get("relayed")}
 
 
 async def _settle(cluster: NatsCluster, streams: list[str], quiet: float = 0.5, limit: float = 5.0) -> None:
@@ -591,6 +595,12 @@ class _Progress:
         self.cluster = _cluster(topo, rep.source)
         self.relayed = dict(after)
         self.then = (time.monotonic(), dict(after))
+        self.nc: Any = None  # one connection to the source for the relay's life (it reconnects by itself)
+
+    async def close(self) -> None:
+        if self.nc:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
     async def update(self, offsets: dict[str, int] | None) -> dict[str, dict[str, Any]]:
         if offsets:
@@ -600,15 +610,15 @@ class _Progress:
         self.then = (now, dict(self.relayed))
         out: dict[str, dict[str, Any]] = {}
         try:
-            async with bnats.session(self.cluster, name=CONTROL, timeout=2) as nc:
-                jsm = nc.jsm(timeout=2)
-                for s, r in self.relayed.items():
-                    last = (await jsm.stream_info(s)).state.last_seq
-                    lag_s = 0.0
-                    if last > r:
-                        with contextlib.suppress(Exception):
-                            lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
-                    out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
+            self.nc = self.nc or await bnats.connect(self.cluster, name=CONTROL, timeout=2)
+            jsm = self.nc.jsm(timeout=2)
+            for s, r in self.relayed.items():
+                last = (await jsm.stream_info(s)).state.last_seq
+                lag_s = 0.0
+                if last > r:
+                    with contextlib.suppress(Exception):
+                        lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
+                out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
         except Exception:  # the source is unreachable: lag unknown
             out = {s: {"relayed": r, "source_last": None, "lag": None, "lag_s": None} for s, r in self.relayed.items()}
         for s, row in out.items():

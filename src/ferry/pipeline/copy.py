@@ -373,7 +373,7 @@ def _writer_fn(spec: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Ite
             from ferry.pipeline.rabbitmq import write_rows
 
             counts = asyncio.run(write_rows(spec["cfg"], batches))
-        yield pa.RecordBatch.from_pylist([counts.as_dict()])
+        yield counts.as_batch()
 
     return write
 
@@ -452,7 +452,7 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
         for batch in batches:
             for i in batch.column(0).to_pylist():
                 counts = asyncio.run(js.write_batches(wcfg, _read_group(rcfg, groups[i], held)))
-                yield pa.RecordBatch.from_pylist([counts.as_dict()])
+                yield counts.as_batch()
 
     _add_counts(report, spark.range(0, len(groups), 1, len(groups)).mapInArrow(copy, COUNTS_DDL).collect())
 
