@@ -1098,6 +1098,9 @@ def _print_evacuation(r: dict[str, Any]) -> None:
     )
     out.print(table)
     out.print(f"recipients: {', '.join(r['recipients'])}", highlight=False)
+    if r.get("relocated"):
+        moves = ", ".join(f"{x['queue']} -> {x['to']}" for x in r["relocated"])
+        out.print(f"classic queues relocated: {moves}", highlight=False)
     if r.get("kept"):
         out.print(f"kept on the node (not movable): {', '.join(r['kept'])}", highlight=False)
     if r.get("outcome") == "evacuated":

@@ -5,6 +5,7 @@ checked against `ferry serve`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
@@ -49,11 +50,11 @@ def haproxy_up(state: lab.LabState, proxy: str = "nats_east") -> dict[str, bool]
     }
 
 
-def connections(state: lab.LabState) -> dict[str, int]:
+def connections(state: lab.LabState, nodes: tuple[str, ...] = NODES) -> dict[str, int]:
     """Client connections per east node (ferry's own control connections excluded)."""
     topo = profile_topology(state)
     out = {}
-    for b in topo.nats("east").brokers:
+    for b in (b for b in topo.nats("east").brokers if b.name in nodes):
         conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 100000}, timeout=5).json()["connections"] or []
         out[b.name] = sum(1 for c in conns if not str(c.get("name", "")).startswith("ferry-ctl"))
     return out
@@ -437,3 +438,196 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     )
     a = json.loads(r.stdout)["tiers"]["t"]
     assert r.returncode == 0 and a["sent"] > 0 and a["lost"] == 0, a
+
+
+async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
+    rabbit_cluster: lab.LabState, tmp_path: Path
+) -> None:
+    """A classic queue on the evacuated node ends up on another node with its name, arguments,
+    bindings and every message, including those routed to it while it moved; killing ferry
+    while the messages are in the holding queue and running it again finishes the relocation."""
+    import aio_pika
+
+    from ferry.brokers.rabbitmq import Management, amqp_connect
+    from ferry.ops.nodes import RELOCATE_PREFIX, Asset
+    from tests.helpers import ferry_killed_when
+
+    state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
+    cluster = profile_topology(state).rabbitmq("rabbits")
+    first, other = cluster.brokers[0], cluster.brokers[1]
+    name, held, args = "reloc.q", RELOCATE_PREFIX + "reloc.q", {"x-max-length": 100_000}
+    conn = await amqp_connect(cluster, first)  # a classic queue lives where it was declared
+    ch = await conn.channel(publisher_confirms=True)
+    queue = await ch.declare_queue(name, durable=True, arguments=args)
+    x = await ch.declare_exchange("reloc.x", aio_pika.ExchangeType.DIRECT, durable=True)
+    await queue.bind(x, "k")
+    sent: list[str] = []
+    for i in range(3000):
+        await x.publish(aio_pika.Message(b"m", message_id=f"pre-{i}", delivery_mode=2), "k", mandatory=True)
+        sent.append(f"pre-{i}")
+    await conn.close()
+    m = Management(cluster, other)
+
+    async def info(q_name: str) -> dict[str, Any] | None:
+        return await m.get(f"/queues/%2F/{q_name}", ok404=True)
+
+    assert (await info(name))["node"] == first.node
+
+    stop = asyncio.Event()
+
+    async def publish_meanwhile() -> None:  # through another node, routed by the exchange, confirmed
+        c = await amqp_connect(cluster, other)
+        pch = await c.channel(publisher_confirms=True)
+        px = await pch.get_exchange("reloc.x")
+        i = 0
+        while not stop.is_set():
+            await px.publish(aio_pika.Message(b"m", message_id=f"live-{i}", delivery_mode=2), "k", mandatory=True)
+            sent.append(f"live-{i}")
+            i += 1
+            await asyncio.sleep(0.005)
+        await c.close()
+
+    publisher = asyncio.create_task(publish_meanwhile())
+    args_cli = ["node", "evacuate", first.name, "--wait-health-check", "0", "--wait-takeover", "0", "--json"]
+    try:
+        loop = asyncio.get_running_loop()
+
+        def midway() -> bool:
+            h = asyncio.run_coroutine_threadsafe(info(held), loop).result()
+            return bool(h and h.get("messages", 0) > 0)
+
+        await asyncio.to_thread(ferry_killed_when, midway, *args_cli, topology=topology, timeout=180)
+        r = await asyncio.to_thread(ferry, *args_cli, topology=topology)  # resumes it, unless `ferry serve`
+        assert r.returncode == 0 or "already running" in r.stderr, r.stderr[-3000:]  # adopted it first
+
+        def evacuated() -> dict[str, Any] | None:
+            st = json.loads(ferry("node", "status", first.name, "--json", topology=topology, check=True).stdout)[0]
+            return st if st["state"] == "prohibiting" else None
+
+        result = await asyncio.to_thread(wait_for, evacuated, 120, "the evacuation to finish")
+        await asyncio.sleep(1)
+    finally:
+        stop.set()
+        await publisher
+        ferry("node", "stop", first.name, topology=topology)
+    moved = await info(name)
+    assert moved and moved["node"] != first.node and moved["durable"] and moved["arguments"] == args, moved
+    assert await info(held) is None
+    bindings = await m.get(f"/queues/%2F/{name}/bindings")
+    assert {(b["source"], b["routing_key"]) for b in bindings if b["source"]} == {("reloc.x", "k")}
+    label = Asset("/", name, None, "", []).label
+    assert {"queue": label, "to": next(b.name for b in cluster.brokers if b.node == moved["node"])} in result[
+        "relocated"
+    ]
+    await m.aclose()
+
+    got: list[str] = []
+    c = await amqp_connect(cluster, other)
+    cch = await c.channel()
+    q2 = await cch.declare_queue(name, passive=True)
+    while (msg := await q2.get(no_ack=True, fail=False)) is not None:
+        got.append(msg.message_id or "")
+    await c.close()
+    missing = set(sent) - set(got)
+    assert not missing and len(sent) > 3000, f"{len(missing)} of {len(sent)} lost, e.g. {sorted(missing)[:5]}"
+
+
+async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """60 idle clients on east-1; while the rebalance evicts them slowly, east-3 dies: the
+    rebalance stops (non-zero exit, the failed node named), its journal is gone, so every donor
+    is back in the balancer's rotation; east-3 then returns."""
+    import signal
+
+    topology = supercluster.path / "topology.yaml"
+    topo = profile_topology(supercluster)
+    east1 = next(b for b in topo.nats("east").brokers if b.name == "east-1")
+    east = topo.nats("east")
+    clients = [await bnats.connect(east, urls=[east1.url], allow_reconnect=False) for _ in range(60)]
+    victim = supercluster.proc("east-3")
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "5", "--wait-health-check", "0"]
+    args += ["--conn-evict-rate", "2", "--execute", "--json"]
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.to_thread(
+            wait_for, lambda: connections(supercluster, ("east-1",))["east-1"] <= 57, 60, "eviction to start"
+        )
+        victim.signal(signal.SIGKILL)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode != 0 and out, err[-2000:]
+        result = json.loads(out)
+        assert result["outcome"] == "aborted: node east-3 stopped answering", result
+        assert any(e["event"] == "abort" for e in events(err)), err[-2000:]
+        assert connections(supercluster, ("east-1",))["east-1"] >= 30  # it stopped evicting
+        check = api(supercluster, "GET", "/availability_check?node=east-1")
+        assert check.status_code == 200, check.text  # the donor is back in service
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.close()
+        if not victim.alive():
+            victim.start()
+            supercluster.save()
+        await asyncio.to_thread(
+            wait_for, lambda: supercluster.health().get("east-3") == "ok", 60, "east-3 to answer again"
+        )
+
+
+async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cluster: lab.LabState) -> None:
+    """40 connections and 6 quorum queue leaders on rabbits-1, none elsewhere: a dry run proposes,
+    --execute closes connections until rabbits-1 is within the threshold and spreads the leaders;
+    a second run finds nothing to balance."""
+    state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
+    cluster = profile_topology(state).rabbitmq("rabbits")
+    first, other = cluster.brokers[0], cluster.brokers[1]
+    auth = (cluster.credentials.user, cluster.credentials.password())  # type: ignore[union-attr]
+    queues = [f"rebal.q.{i}" for i in range(6)]
+    for name in queues:
+        r = httpx.put(
+            f"{first.management_url}/api/queues/%2F/{name}",
+            json={"durable": True, "arguments": {"x-queue-type": "quorum"}},
+            auth=auth,
+            timeout=10,
+        )
+        assert r.status_code in (201, 204), r.text
+
+    def mgmt(path: str) -> Any:
+        return httpx.get(f"{other.management_url}/api{path}", auth=auth, timeout=10).json()
+
+    def leaders() -> dict[str, str]:
+        return {x["name"]: x.get("leader", "") for x in mgmt("/queues/%2F?columns=name,leader") if x["name"] in queues}
+
+    def on_first() -> int:
+        return sum(1 for c in mgmt("/connections?columns=node,client_properties") if c["node"] == first.node)
+
+    assert set(leaders().values()) == {first.node}
+    from ferry.brokers.rabbitmq import amqp_connect
+
+    clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]
+    try:
+        await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 30, "40 connections listed on rabbits-1")
+        args = ["cluster", "rebalance", "rabbits", "--abs-conn-threshold", "5", "--abs-sess-threshold", "1"]
+        args += ["--wait-health-check", "1", "--wait-takeover", "0", "--conn-evict-rate", "20", "--json"]
+        dry = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
+        assert dry["outcome"] == "dry-run" and dry["donors"] == [first.name], dry
+        assert first.name in dry["session_donors"], dry
+
+        r = await asyncio.to_thread(ferry, *args, "--execute", topology=topology)
+        assert r.returncode == 0, r.stderr[-2000:]
+        result = json.loads(r.stdout)
+        assert result["outcome"] == "balanced", result
+        assert result["evicted"]["connections"] >= 30 and on_first() <= 5, result
+        spread = list(leaders().values())
+        assert max(spread.count(n) for n in set(spread)) <= 3 and len(set(spread)) >= 2, spread
+
+        again = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
+        assert again["outcome"] == "nothing to balance", json.dumps([again["proposal"], result])
+    finally:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.close()

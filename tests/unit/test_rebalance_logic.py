@@ -32,6 +32,7 @@ def test_propose_300_on_one_node() -> None:
     assert after["a"] > after["b"] - 1  # moved only as far as needed
     assert propose({"a": 300, "b": 0, "c": 0}, 1000, 1.1) is None  # within the default absolute threshold
     assert propose({"a": 10, "b": 10, "c": 10}, 0, 1.01) is None
+    assert propose({"a": 4, "b": 4, "c": 3}, 1, 1.1) is None  # not within, but no whole move helps
 
 
 @given(st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 2000), min_size=2), st.integers(0, 50))
@@ -39,6 +40,7 @@ def test_propose_conserves_and_balances(counts: dict[str, int], abs_t: int) -> N
     after = propose(counts, abs_t, 1.1)
     if after is None:
         return
+    assert after != counts  # a proposal moves something
     assert sum(after.values()) == sum(counts.values())
     donors, recipients = split(counts)
     d = sum(after[x] for x in donors) / len(donors)

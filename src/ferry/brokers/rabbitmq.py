@@ -112,6 +112,7 @@ async def amqp_connect(
     vhost: str = "/",
     timeout: float = 5.0,
     robust: bool = False,
+    name: str = "ferry",
 ) -> aio_pika.abc.AbstractConnection:
     """An AMQP connection to one broker of `cluster` (the first by default)."""
     broker = broker or cluster.brokers[0]
@@ -125,7 +126,7 @@ async def amqp_connect(
         "password": (creds.password() if creds else None) or "guest",
         "ssl": parts.scheme == "amqps",
         "timeout": timeout,
-        "client_properties": {"connection_name": "ferry"},
+        "client_properties": {"connection_name": name},
     }
     connect = aio_pika.connect_robust if robust else aio_pika.connect
     try:

@@ -2,9 +2,9 @@
 `ferry node evacuate` and `ferry cluster rebalance` (the state machines are in ``rebalance.py``).
 
 Both answer the same questions: a node's client connections and its "sessions"
-(NATS: JetStream stream and consumer Raft groups; RabbitMQ: quorum queues, and
-classic queues, which stay), and both move them: close a connection, hand a
-leader to a preferred peer, and switch a node's intake off and on again.
+(NATS: JetStream stream and consumer Raft groups; RabbitMQ: quorum and classic
+queues), and both move them: close a connection, hand a leader to a preferred peer,
+and switch a node's intake off and on again.
 
 - **NATS**: connz and jsz on each server's monitoring port; connections closed with
   the system account's ``$SYS.REQ.SERVER.<id>.KICK``; leaders step down with
@@ -15,9 +15,26 @@ leader to a preferred peer, and switch a node's intake off and on again.
   moved with ``rabbit_quorum_queue:transfer_leadership/2`` through ``rabbitmqctl eval``;
   a prohibited node is put in maintenance mode (``rabbitmq-upgrade drain``: listeners
   suspended, so it takes no client at all) and ``revive``d at stop. The Erlang CLI needs
-  the topology's ``erlang`` block (cookie and epmd port). Classic queues and quorum
-  queue followers stay where they are (reported as kept). The journal is a global
-  parameter on the cluster.
+  the topology's ``erlang`` block (cookie and epmd port). A classic queue lives on one
+  node, so evacuation *relocates* it (see ``RabbitNodes.relocate``): same name, arguments
+  and bindings on another node, its messages moved by the data plane's queue mover
+  (Spark). Quorum queue followers, auto-delete and exclusive queues stay (reported as
+  kept). The journal is a global parameter on the cluster.
+
+Relocating a classic queue Q, every step idempotent and read back from the broker, so
+a killed evacuation resumes at the right step:
+
+1. declare ``ferry.relocate.Q`` on the target node (like Q), bind it as Q is bound, then
+   unbind Q: messages routed through exchanges now land in the holding queue;
+2. move Q's messages to it, and delete Q once empty (its consumers get a cancel);
+3. declare Q on the target node, bind it, unbind the holding queue, move the held
+   messages back and delete the holding queue.
+
+Limits: between the two steps Q does not exist for a moment, so a message published
+straight to Q (default exchange) in that moment is unroutable (returned to a publisher
+that sets ``mandatory``, dropped otherwise); one routed while both queues are bound is
+delivered to both (at least once, never lost). Consumers of Q must re-subscribe after
+the cancel (most clients do on a consumer-cancel notification).
 """
 
 from __future__ import annotations
@@ -30,6 +47,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,11 +56,13 @@ from urllib.parse import urlsplit
 from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
-from ferry.brokers.rabbitmq import Management, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.ops.journal import Journal, ParamJournal
+from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import NatsCluster, RabbitCluster
 
+RELOCATE_PREFIX = "ferry.relocate."  # the holding queue of a classic queue being relocated
 CONTROL = "ferry-ctl"  # connection-name prefix of ferry's own control connections: never evicted
 STALE_AFTER = 5.0  # seconds without a heartbeat before another ferry adopts an operation
 
@@ -55,6 +76,7 @@ class Asset:
     consumer: str | None
     leader: str
     peers: list[str]
+    kind: str = ""  # RabbitMQ: "classic" for a classic queue ferry can relocate
 
     @property
     def label(self) -> str:
@@ -248,6 +270,7 @@ class RabbitNodes(_Nodes):
         self.by_erlang = {v: k for k, v in self.erlang.items()}
         self.avoid = avoid
         self.m: Management | None = None
+        self.spark: Any = None  # a Spark session, started for the first classic queue to relocate
 
     async def __aenter__(self) -> RabbitNodes:
         for b in self.reach_order():
@@ -280,7 +303,9 @@ class RabbitNodes(_Nodes):
             running = await self.m.get("/nodes", params={"columns": "name,running"})
             conns = await self.m.get("/connections", params={"columns": "name,node,protocol,client_properties"})
             queues = (
-                await self.m.get("/queues", params={"columns": "name,vhost,type,node,leader,members"})
+                await self.m.get(
+                    "/queues", params={"columns": "name,vhost,type,node,leader,members,exclusive,auto_delete"}
+                )
                 if jetstream
                 else []
             )
@@ -305,8 +330,9 @@ class RabbitNodes(_Nodes):
                     if node in members:
                         leader = self.by_erlang.get(x.get("leader") or "", "")
                         v.assets.append(Asset(x["vhost"], x["name"], None, leader, members))
-                elif x.get("node") == erl:  # a classic queue lives on one node: it stays
-                    v.assets.append(Asset(x["vhost"], x["name"], None, node, [node]))
+                elif x.get("node") == erl and not x.get("exclusive"):  # a classic queue lives on one node
+                    kind = "" if x.get("auto_delete") else "classic"
+                    v.assets.append(Asset(x["vhost"], x["name"], None, node, [node], kind))
         return out
 
     async def kick(self, view: NodeView, cid: str) -> bool:
@@ -348,6 +374,114 @@ class RabbitNodes(_Nodes):
         except (FerryError, StopIteration, ValueError) as exc:
             return [str(exc)] * len(moves)
         return ["" if r.startswith("{migrated") else r for r in results]
+
+    async def relocate(self, moves: list[tuple[Asset, str]], emit: Callable[..., None]) -> list[str]:
+        """Relocate classic queues (each to its target node; see the module docstring): the
+        error per queue, "" when it now lives on its target."""
+        results = []
+        for a, target in moves:
+            try:
+                moved = await self._relocate(a, target)
+            except FerryError as exc:
+                results.append(str(exc))
+                continue
+            emit("relocated", queue=a.label, to=target, messages=moved)
+            results.append("")
+        return results
+
+    async def _relocate(self, a: Asset, target: str) -> int:
+        assert self.m
+        m, vhost, name = self.m, a.account, a.stream
+        held = RELOCATE_PREFIX + name
+        moved = 0
+
+        def path(queue: str) -> str:
+            return f"/queues/{q(vhost)}/{q(queue)}"
+
+        here = await m.get(path(name), ok404=True)
+        hold = await m.get(path(held), ok404=True)
+        if here and here.get("node") == self.erlang[a.leader]:
+            if hold is None:
+                hold = await self._declare(vhost, held, here, target)
+            await self._rebind(vhost, name, held)
+            moved += await self._drain_into(vhost, name, held, target)
+        elif hold is None:
+            return 0  # relocated already
+        if await m.get(path(name), ok404=True) is None:
+            await self._declare(vhost, name, hold, target)
+        await self._rebind(vhost, held, name)
+        moved += await self._drain_into(vhost, held, name, target)
+        return moved
+
+    async def _declare(self, vhost: str, queue: str, like: dict[str, Any], target: str) -> dict[str, Any]:
+        """Declare `queue` like `like` on `target` (through an AMQP connection to that node: RabbitMQ
+        places a classic queue on the declaring client's node by default)."""
+        assert self.m
+        conn = await amqp_connect(self.cluster, self.brokers[target], vhost=vhost, name=f"{CONTROL}-relocate")
+        try:
+            ch = await conn.channel()
+            await ch.declare_queue(queue, durable=like.get("durable", True), arguments=like.get("arguments") or {})
+        finally:
+            await conn.close()
+        info = await self.m.get(f"/queues/{q(vhost)}/{q(queue)}")
+        if info.get("node") != self.erlang[target]:
+            raise FerryError(
+                f"{vhost}/{queue} was placed on {info.get('node')}, not {target} "
+                "(a queue_leader_locator other than client-local?)"
+            )
+        return info
+
+    async def _rebind(self, vhost: str, old: str, new: str) -> None:
+        """Give `new` every exchange binding of `old`, then take them from `old` (in that order:
+        a message routed in between reaches both, none reaches neither)."""
+        assert self.m
+        bindings = [b for b in await self.m.get(f"/queues/{q(vhost)}/{q(old)}/bindings") if b["source"]]
+        for b in bindings:
+            body = {"routing_key": b["routing_key"], "arguments": b.get("arguments") or {}}
+            await self.m.request("POST", f"/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(new)}", json=body)
+        for b in bindings:
+            await self.m.delete(f"/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(old)}/{q(b['properties_key'])}")
+
+    async def _drain_into(self, vhost: str, source: str, dest: str, target: str) -> int:
+        """Move `source`'s messages to `dest` with the data plane until `source` is empty, then
+        delete it (only if empty: a publisher may still add to it)."""
+        from ferry.pipeline.copy import run_moves
+        from ferry.pipeline.rabbitmq import MoveTask
+
+        assert self.m
+        cluster = self.cluster.model_dump_json()
+        sink = {"kind": "rabbitmq", "cluster": cluster, "vhost": vhost, "queue": dest, "name": self.name}
+        index = list(self.brokers).index(target)
+        moved, counts = 0, QueueCounts(self.cluster, f"{CONTROL}-relocate")
+        try:
+            for _ in range(100):
+                try:
+                    ready = await counts.ready(vhost, source)
+                except NotFound:
+                    return moved
+                if ready:
+                    task = MoveTask(cluster, self.name, vhost, source, sink, f"relocate-{uuid.uuid4().hex[:8]}")
+                    task.broker = index
+                    spark = await self._spark()
+                    moved += sum(r.moved for r in await asyncio.to_thread(run_moves, spark, [task]))
+                try:
+                    await self.m.request("DELETE", f"/queues/{q(vhost)}/{q(source)}", params={"if-empty": "true"})
+                    return moved
+                except NotFound:
+                    return moved
+                except FerryError as exc:
+                    if "empty" not in str(exc).lower():
+                        raise
+        finally:
+            await counts.close()
+        raise FerryError(f"{vhost}/{source} keeps receiving messages; relocation to {target} did not finish")
+
+    async def _spark(self) -> Any:
+        if self.spark is None:
+            from ferry.pipeline.spark import get_session
+
+            self.spark = await asyncio.to_thread(get_session, app_name="ferry evacuate")
+        return self.spark
 
     async def prohibit(self, node: str) -> None:
         """Maintenance mode: the node's listeners are suspended and its leaders handed over."""

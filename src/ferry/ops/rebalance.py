@@ -15,14 +15,15 @@ NATS servers at a controlled rate, the way EMQX's ``emqx_node_rebalance`` does.
    stream and consumer leaders on the node step down (towards ``--migrate-to``
    when given), and stream replicas move off it with a peer-remove where the
    cluster has a spare server. MQTT persistent sessions live in JetStream
-   (``$MQTT_*`` streams and their consumers), so they follow;
+   (``$MQTT_*`` streams and their consumers), so they follow. RabbitMQ: quorum
+   queue leaders move, classic queues are relocated with the data plane (``nodes.py``);
 5. ``prohibiting`` — until ``ferry node stop``: new connections are kicked and
    leaders that return are stepped down again.
 
 **Rebalance** of a cluster: donors are the nodes above the average connection
 count, recipients the rest. Donors answer 503 while it runs; after the health
-check wait each donor above the recipients' average loses ``--conn-evict-rate``
-connections per second until ``avg(donor) < avg(recipient) + abs`` or
+check wait each donor loses what it holds above the cluster's average, at most
+``--conn-evict-rate`` connections per second, until ``avg(donor) < avg(recipient) + abs`` or
 ``avg(donor) < avg(recipient) * rel``; then JetStream leaders are balanced the
 same way (donors and recipients by leader count). It is a dry run (a proposal)
 unless ``--execute``. If a participating node stops answering, it aborts.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -52,7 +54,7 @@ from pydantic import BaseModel, Field, field_validator
 from ferry.errors import Conflict, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import Journal, ParamJournal, owner_alive
-from ferry.ops.nodes import STALE_AFTER, NatsNodes, NodeView, RabbitNodes, open_nodes
+from ferry.ops.nodes import STALE_AFTER, Asset, NatsNodes, NodeView, RabbitNodes, open_nodes
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 __all__ = [
@@ -94,7 +96,8 @@ def split(counts: dict[str, int]) -> tuple[list[str], list[str]]:
 
 def propose(counts: dict[str, int], abs_threshold: float, rel_threshold: float) -> dict[str, int] | None:
     """The counts after a rebalance (moving one at a time from the fullest donor to the
-    emptiest recipient until balanced), or None when already balanced."""
+    emptiest recipient until balanced), or None when already balanced or when no whole move
+    brings it closer (4, 4, 3 with an absolute threshold of 1)."""
     donors, recipients = split(counts)
     after = dict(counts)
 
@@ -111,7 +114,7 @@ def propose(counts: dict[str, int], abs_threshold: float, rel_threshold: float) 
             break
         after[d] -= 1
         after[r] += 1
-    return after
+    return after if after != counts else None
 
 
 class Pacer:
@@ -271,6 +274,14 @@ class _Driver:
         self.tried[key] = now
         return True
 
+    async def while_saving(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """Await `work`, saving the heartbeat every second meanwhile."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            await self.save()
+            await asyncio.wait({task}, timeout=1.0)
+        return task.result()
+
     async def wait_until(self, deadline: float) -> None:
         while time.time() < deadline and not self.stop.is_set():
             await self.save()
@@ -288,7 +299,7 @@ class _Driver:
         self, view: NodeView, pacer: Pacer, targets: list[str], load: dict[str, int], limit: int | None = None
     ) -> tuple[int, list[str]]:
         """Step down movable leaders on the node, each towards the target peer with the fewest leaders."""
-        kept = [a.label for a in view.leaders if not self.nodes.movable(a)]
+        kept = [a.label for a in view.leaders if not self.nodes.movable(a) and a.kind != "classic"]
         todo = [a for a in view.leaders if self.nodes.movable(a) and self.fresh(f"lead:{a.label}")]
         n = pacer.take(len(todo) if limit is None else min(len(todo), limit))
         for a in todo[n:]:
@@ -462,13 +473,34 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
             d.emit("warning", message=f"{a.label}: peer-remove refused: {err}")
         else:
             removed += 1
+    classic = [a for a in v.assets if a.kind == "classic"]
+    if classic and isinstance(nodes, RabbitNodes):
+        moved += await _relocate(d, nodes, classic[: pacer.take(len(classic))], spare, load)
     if moved or removed:
         st["evicted"]["sessions"] += moved
         st["evicted"]["replicas"] += removed
         d.emit("evicted", sessions=moved, replicas=removed, left=len(v.leaders) - moved)
-    pending = [a for a in v.leaders if nodes.movable(a)] + replicas
+    pending = [a for a in v.leaders if nodes.movable(a) or a.kind == "classic"] + replicas
     st["kept"] = kept + [a.label for a in v.assets if a.consumer is None and a.leader != node and a not in replicas]
     return not pending
+
+
+async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: list[str], load: dict[str, int]) -> int:
+    """Relocate classic queues to the recipients with the fewest queues (the heartbeat goes on
+    while the data plane moves their messages); how many now live elsewhere."""
+    moves = []
+    for a in queues:
+        if up and d.fresh(f"relocate:{a.label}"):
+            target = min(up, key=lambda n: load.get(n, 0))
+            load[target] = load.get(target, 0) + 1
+            moves.append((a, target))
+    errors = await d.while_saving(nodes.relocate(moves, d.emit))
+    for (a, target), err in zip(moves, errors, strict=True):
+        if err:
+            d.emit("warning", message=f"{a.label}: relocation to {target} failed: {err}")
+        else:
+            d.st.setdefault("relocated", []).append({"queue": a.label, "to": target})
+    return sum(1 for err in errors if not err)
 
 
 def _public(st: dict[str, Any]) -> dict[str, Any]:
@@ -603,12 +635,13 @@ async def _rebalance_steps(d: _Driver) -> str:
                 await d.enter("waiting_takeover")
                 continue
             break
-        over = [dn for dn in donors if counts[dn] > goal]
+        level = avg(list(counts.values()))  # what every node holds once balanced
+        over = [dn for dn in donors if counts[dn] > level]
         if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
             outcome = "balanced as far as possible (the donors' other leaders cannot move)"
             break
         for dn in over:
-            excess = max(1, int(counts[dn] - goal))
+            excess = max(1, math.ceil(counts[dn] - level))  # moving to `goal` would overshoot
             if conns:
                 n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
             else:

@@ -55,6 +55,7 @@ CONTROL = "ferry-relay"
 SCAN = 20_000  # relayed messages read back from the destination's end when resuming
 MAX_BATCH = 20_000  # messages per micro-batch (all streams)
 TRIGGER = "200 milliseconds"
+PARTS = 2  # read tasks per stream per micro-batch: at 10,000 msg/s on 2 cores a cycle took 1.5 s with 1, 0.8 s with 2
 
 
 def _quiet(*_: Any, **__: Any) -> None:
@@ -282,6 +283,7 @@ def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, i
         .option("stream", ",".join(after))
         .option("starting", json.dumps(after))
         .option("max_messages_per_batch", MAX_BATCH)
+        .option("partitions", PARTS)
         .option("relay_to", json.dumps(relay_to))
         .load()
         .writeStream.format("noop")

@@ -523,8 +523,19 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
         )
         for i, x in enumerate(work)
     ]
+    for result in run_moves(spark, tasks):
+        report.queues.append(asdict(result))
+        report.read += result.moved
+        report.stored += result.moved
+        report.bytes += result.bytes
+        report.possible_duplicates += result.redelivered
+
+
+def run_moves(spark: Any, tasks: list[MoveTask]) -> list[MoveResult]:
+    """The data plane's queue mover: one Spark task per queue, each source message acked only
+    after the sink confirmed it."""
     if not tasks:
-        return
+        return []
 
     def move(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
@@ -533,13 +544,7 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
                 yield pa.RecordBatch.from_pylist([asdict(result)])
 
     rows = spark.range(0, len(tasks), 1, len(tasks)).mapInArrow(move, _MOVE_DDL).collect()
-    for r in rows:
-        result = MoveResult(**r.asDict())
-        report.queues.append(asdict(result))
-        report.read += result.moved
-        report.stored += result.moved
-        report.bytes += result.bytes
-        report.possible_duplicates += result.redelivered
+    return [MoveResult(**r.asDict()) for r in rows]
 
 
 def _cores(spark: Any) -> int:

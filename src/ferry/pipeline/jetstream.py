@@ -317,10 +317,11 @@ class _Puller:
             await self.sub.unsubscribe()
 
 
-async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBatch]:
-    """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
+async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
+    """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order, in
+    the lists the server sent: (message, sequence, stored time in ns); publish-time directives
+    (``Nats-Expected-*``) dropped from the headers."""
     source = f"{cfg.name}/{part.stream}"
-    builder = BatchBuilder()
     next_seq = part.lo
     deadline = time.monotonic() + 120
     async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
@@ -360,6 +361,7 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
                     if not msgs:
                         break  # nothing now: the consumer may have been lost; recreate and re-check pending
                     deadline = time.monotonic() + 120
+                    got = []
                     for m in msgs:
                         seq, ts_ns, pending = _ack_fields(m.reply)
                         if seq < next_seq:
@@ -367,31 +369,49 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
                         if seq > part.hi:
                             done = True
                             break
-                        headers = m.headers
-                        if headers:
+                        if m.headers:
                             for directive in _EXPECTED:  # publish-time checks, not message data
-                                headers.pop(directive, None)
-                        builder.add(
-                            m.subject,
-                            m.data,
-                            headers,
-                            headers.get(MSG_ID) if headers else None,
-                            source,
-                            seq,
-                            ts_ns // 1000,
-                        )
+                                m.headers.pop(directive, None)
+                        got.append((m, seq, ts_ns))
                         next_seq = seq + 1
                         if pending == 0 or seq == part.hi:
                             done = True
                             break
-                    if len(builder) >= cfg.batch_size:
-                        yield builder.flush()
+                    if got:
+                        yield got
             finally:
                 await puller.stop()
                 with contextlib.suppress(Exception):
                     await jsm.delete_consumer(part.stream, info.name)
+
+
+async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBatch]:
+    """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
+    source = f"{cfg.name}/{part.stream}"
+    builder = BatchBuilder()
+    async for got in _pulled(cfg, part):
+        for m, seq, ts_ns in got:
+            builder.add(m.subject, m.data, m.headers, (m.headers or {}).get(MSG_ID), source, seq, ts_ns // 1000)
+        if len(builder) >= cfg.batch_size:
+            yield builder.flush()
     if len(builder):
         yield builder.flush()
+
+
+async def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
+    """Publish to `to` the messages of `part` first stored here (without ``Ferry-Origin-Site``),
+    each pulled list as soon as it arrives, without building Arrow batches: what a relay's read
+    task does."""
+    source = f"{cfg.name}/{part.stream}"
+
+    async def rows() -> AsyncIterator[tuple[Any, ...]]:
+        async for got in _pulled(cfg, part):
+            for m, seq, _ in got:
+                headers = m.headers or {}
+                if ORIGIN_SITE_HDR not in headers:
+                    yield m.subject, m.data, headers.items(), headers.get(MSG_ID), source, seq
+
+    return await write_rows(to, rows())
 
 
 class JetStreamReader(DataSourceReader):
@@ -458,29 +478,18 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         for stream in self.cfg.streams:
             lo, hi = int(start.get(stream, 0)) + 1, int(end.get(stream, 0))
             ranges += split(stream, lo, hi, self.parts, self.cfg.fetch or 1000)
-        if self.relay and not ranges and not self.warm:  # start the Python worker now, not with the first message
-            ranges = [Range(self.cfg.streams[0], 1, 0)]
+        if self.relay and not ranges and not self.warm:  # start the Python workers now, not with the first message
+            ranges = [Range(self.cfg.streams[0], 1, 0)] * self.parts
         self.warm = True
         return ranges
 
     def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         if self.relay:
-            counts = asyncio.run(write_batches(self.relay, _first_stored_here(read_range(self.cfg, partition))))
-            return iter([counts.as_batch()])
+            return iter([asyncio.run(relay_range(self.cfg, self.relay, partition)).as_batch()])
         return iterate(read_range(self.cfg, partition))
 
     def commit(self, end: dict[str, int]) -> None:
         """Nothing to do: the stream keeps its messages; offsets live in Spark's checkpoint."""
-
-
-async def _first_stored_here(batches: AsyncIterator[pa.RecordBatch]) -> AsyncIterator[pa.RecordBatch]:
-    """The messages without an origin header (never relayed from elsewhere)."""
-    import pyarrow.compute as pc
-
-    async for batch in batches:
-        mine = batch.filter(pc.is_null(pc.map_lookup(batch.column("headers"), ORIGIN_SITE_HDR, "first")))
-        if mine.num_rows:
-            yield mine
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -506,23 +515,34 @@ async def _each(batches: Batches) -> AsyncIterator[pa.RecordBatch]:
             yield batch
 
 
+async def _each_row(batches: Batches) -> AsyncIterator[tuple[Any, ...]]:
+    async for batch in _each(batches):
+        for row in _rows(batch):
+            yield row
+
+
 async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
     """Publish every row of `batches`; raise if any message could not be stored."""
+    return await write_rows(cfg, _each_row(batches))
+
+
+async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> WriteCounts:
+    """Publish every row (subject, payload, header pairs, msg id, source, seq); raise if any
+    message could not be stored."""
     counts = WriteCounts()
     async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
         if cfg.ordered:
-            await _write_ordered(nc, cfg, batches, counts)
+            await _write_ordered(nc, cfg, rows, counts)
         else:
             pub = Publisher(nc, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
             pacer = Pacer(cfg.rate)
             async with pub:
-                async for batch in _each(batches):
-                    for row in _rows(batch):
-                        await pacer.wait()
-                        subject, payload, headers, msg_id = _message(cfg, row)
-                        counts.rows += 1
-                        counts.bytes += len(payload)
-                        await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
+                async for row in rows:
+                    await pacer.wait()
+                    subject, payload, headers, msg_id = _message(cfg, row)
+                    counts.rows += 1
+                    counts.bytes += len(payload)
+                    await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
             counts.stored, counts.duplicates = pub.stats.stored, pub.stats.duplicates
             counts.retries, counts.errors = pub.stats.retries, pub.stats.errors[:20]
             if pub.stats.failed:
@@ -550,7 +570,7 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
 
 
-async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Batches, counts: WriteCounts) -> None:
+async def _write_ordered(nc: Any, cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], counts: WriteCounts) -> None:
     """Pipelined publishes, each expecting its predecessor as the stream's last message.
 
     A failure (timeout, leader change, another writer) stops the pipeline; the
@@ -610,14 +630,13 @@ async def _write_ordered(nc: Any, cfg: WriteConfig, batches: Batches, counts: Wr
                 reason = bad[0].error if bad else "no progress after 10 attempts"
                 raise FerryError(f"jetstream ordered write to {cfg.stream}: {reason}")
 
-    async for batch in _each(batches):
-        for row in _rows(batch):
-            message = _message(cfg, row)
-            counts.rows += 1
-            counts.bytes += len(message[1])
-            pending.append(message)
-            if len(pending) >= max(20_000, 10 * cfg.window):  # a resync point per chunk, not per window
-                await drain()
+    async for row in rows:
+        message = _message(cfg, row)
+        counts.rows += 1
+        counts.bytes += len(message[1])
+        pending.append(message)
+        if len(pending) >= max(20_000, 10 * cfg.window):  # a resync point per chunk, not per window
+            await drain()
     await drain()
 
 

@@ -1,0 +1,180 @@
+"""Benchmark: `ferry replicate` against native JetStream sourcing over a gateway, same load, same run.
+
+Lab: the super-cluster (east and west, 3 servers each, joined by gateways). Two R1
+streams in east take the same load in turn:
+
+- ferry: `BENCH_F` relayed to west by one `ferry replicate run --from east --to west`
+  process (destination `BENCH_F_W`, subjects prefixed `relay.`);
+- native: `BENCH_N` in east, and in west a stream `BENCH_N_W` that sources it (the
+  server copies over the gateway).
+
+For each rate (default 2,000, 5,000, 7,500, 10,000, 15,000 msg/s), `ferry load` publishes
+for `--seconds` (JetStream, acked, 4 producers) into each source in turn; then both
+sides are read back. Lag per message = stored at west - stored at east (server
+timestamps); throughput = messages over the time from the first store at east to the
+last at west. A rate is sustained when everything arrived and lag p99 < 1 s; the summary compares the
+highest rate sustained with every lower rate sustained too.
+
+Target (issue 7): ferry sustains >= 0.5x the native sourcing rate, with lag p99 < 1 s
+at 10,000 msg/s.
+
+    .venv/bin/python -m bench.replicate                   # 2k, 5k, 7.5k, 10k, 15k msg/s, 20 s each
+    .venv/bin/python -m bench.replicate --quick           # 2k, 5k msg/s, 8 s each
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._util import save_rows
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.pipeline.jetstream import Range, ReadConfig, read_range
+from ferry.topology import Topology, load_topology
+
+FERRY = [sys.executable, "-c", "from ferry.cli import main; main()"]
+
+
+def run_ferry(topology: Path, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    return subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=900, check=True, **kw)
+
+
+async def make_streams(topo: Topology) -> None:
+    from nats.js.api import Placement, StreamConfig, StreamSource
+
+    async with bnats.session(topo.nats("east")) as nc:
+        jsm = nc.jsm()
+        for name in ("BENCH_F", "BENCH_N"):
+            await jsm.add_stream(
+                StreamConfig(name=name, subjects=[f"{name.lower()}.>"], num_replicas=1, placement=Placement("east"))
+            )
+        await jsm.add_stream(
+            StreamConfig(
+                name="BENCH_N_W", num_replicas=1, placement=Placement("west"), sources=[StreamSource(name="BENCH_N")]
+            )
+        )
+
+
+async def times(topo: Topology, cluster: str, stream: str, lo: int) -> dict[str, float]:
+    """msg id -> stored time (s) for the stream's messages from sequence `lo`."""
+    cfg = ReadConfig(cluster=topo.nats(cluster).model_dump_json(), name=cluster, streams=(stream,))
+    async with bnats.session(topo.nats(cluster)) as nc:
+        last = (await nc.jsm().stream_info(stream)).state.last_seq
+    out: dict[str, float] = {}
+    async for batch in read_range(cfg, Range(stream, lo, last, 2000)):
+        for mid, ts in zip(batch.column("msg_id").to_pylist(), batch.column("timestamp").to_pylist(), strict=True):
+            out[mid] = ts.timestamp()
+    return out
+
+
+def count(topo: Topology, cluster: str, stream: str) -> int:
+    async def go() -> int:
+        async with bnats.session(topo.nats(cluster)) as nc:
+            return int((await nc.jsm().stream_info(stream)).state.last_seq)
+
+    return asyncio.run(go())
+
+
+def step(topo: Topology, topology: Path, who: str, rate: int, seconds: float, tmp: Path) -> dict[str, Any]:
+    src, dst = ("BENCH_F", "BENCH_F_W") if who == "ferry" else ("BENCH_N", "BENCH_N_W")
+    src_lo, dst_lo = count(topo, "east", src) + 1, count(topo, "west", dst) + 1
+    ledger = tmp / f"ledger-{who}-{rate}"
+    args = ["load", "jetstream://east", "--subject", f"{src.lower()}.{{n}}", "--rate", str(rate)]
+    args += ["--duration", str(seconds), "--producers", "4", "--ledger", str(ledger), "--json"]
+    acked = json.loads(run_ferry(topology, *args).stdout)["acked"]
+    deadline = time.monotonic() + 120
+    while count(topo, "west", dst) - dst_lo + 1 < acked and time.monotonic() < deadline:
+        time.sleep(0.5)
+    sent = asyncio.run(times(topo, "east", src, src_lo))
+    got = asyncio.run(times(topo, "west", dst, dst_lo))
+    lags = sorted(got[m] - sent[m] for m in got if m in sent)
+    row: dict[str, Any] = {"who": who, "rate": rate, "acked": acked, "arrived": len(lags)}
+    if lags:
+        row |= {
+            "lag_p50_s": round(lags[len(lags) // 2], 3),
+            "lag_p99_s": round(lags[int(len(lags) * 0.99)], 3),
+            "throughput": round(len(lags) / max(max(got.values()) - min(sent.values()), 1e-6)),
+        }
+    row["sustained"] = len(lags) == acked and row.get("lag_p99_s", 99) < 1.0
+    return row
+
+
+def highest_sustained(rows: list[dict[str, Any]]) -> int:
+    """The highest rate sustained with every lower rate sustained too."""
+    best = 0
+    for r in sorted(rows, key=lambda r: r["rate"]):
+        if not r["sustained"]:
+            break
+        best = r["rate"]
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="2000,5000,7500,10000,15000")
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--quick", action="store_true", help="2,000 and 5,000 msg/s for 8 s")
+    a = parser.parse_args()
+    if a.quick:
+        a.rates, a.seconds = "2000,5000", 8
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the lab below is taken down
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
+    root.chmod(0o755)
+    os.environ["FERRY_LAB_DIR"] = str(root)
+    rows: list[dict[str, Any]] = []
+    relay = None
+    try:
+        state = lab.up("supercluster", root, log=lambda _: None)
+        topology = state.path / "topology.yaml"
+        topo = load_topology(topology)
+        asyncio.run(make_streams(topo))
+        start = ["replicate", "start", "--from", "east", "--to", "west", "--streams", "BENCH_F"]
+        run_ferry(topology, *start, "--stream-name", "{stream}_W", "--subject-prefix", "relay.")
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        log = (root / "relay.log").open("w")
+        relay = subprocess.Popen(
+            [*FERRY, "replicate", "run", "--from", "east", "--to", "west", "--json"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 180
+        while '"relaying"' not in (root / "relay.log").read_text():
+            if time.monotonic() > deadline or relay.poll() is not None:
+                raise SystemExit(f"the relay did not start: {(root / 'relay.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        for rate in (int(r) for r in a.rates.split(",")):
+            for who in ("ferry", "native"):
+                rows.append(step(topo, topology, who, rate, a.seconds, root))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if relay and relay.poll() is None:
+            os.killpg(relay.pid, signal.SIGKILL)
+            relay.wait(timeout=30)
+        lab.down(root=root, log=lambda _: None)
+    print(f"saved {save_rows('replicate', rows)}")
+    print(f"\n{'rate':>7} {'who':>7} {'arrived':>8} {'lag p50 s':>9} {'lag p99 s':>9} {'msg/s':>7} sustained")
+    for r in rows:
+        print(
+            f"{r['rate']:>7} {r['who']:>7} {r['arrived']:>8} {r.get('lag_p50_s', '-')!s:>9} "
+            f"{r.get('lag_p99_s', '-')!s:>9} {r.get('throughput', '-')!s:>7} {r['sustained']}"
+        )
+    best = {w: highest_sustained([r for r in rows if r["who"] == w]) for w in ("ferry", "native")}
+    ratio = best["ferry"] / best["native"] if best["native"] else float("nan")
+    print(f"\nhighest sustained rate: ferry {best['ferry']:,}, native {best['native']:,} msg/s: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
