@@ -147,3 +147,21 @@ async def queue_depth(topo: Topology, cluster: str, vhost: str, queue: str) -> i
         ch = await conn.channel()
         declared = await ch.declare_queue(queue, passive=True)
         return int(declared.declaration_result.message_count)
+
+
+def judge(
+    spark: Any, topology: Path, ledgers: Path | list[Path], tier: str, html: Path, max_dup: int = 0
+) -> dict[str, Any]:
+    """The audit of one tier (a snapshot directory or a jetstream:// URI) against the ledgers, in
+    the tests' own Spark session (the CLI's audit has its tests in test_proof); writes the HTML
+    report next to the test's files and fails on any loss or more than `max_dup` extra copies."""
+    from ferry.pipeline.audit import audit, tier_frame, verdict
+    from ferry.report import render_html
+    from ferry.topology import load_topology
+
+    paths = [str(p) for p in ([ledgers] if isinstance(ledgers, Path) else ledgers)]
+    report = audit(spark, paths, {"t": tier_frame(spark, load_topology(topology), tier)})
+    failures = verdict(report, 0, max_dup)
+    html.write_text(render_html(report, failures))
+    assert not failures, f"{failures}; report {html}"
+    return report["tiers"]["t"]

@@ -24,8 +24,8 @@ import pytest
 from ferry import lab
 from ferry.brokers import nats as bnats
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, make_stream, wait_for
-from tests.lab.test_move import audit, finish
+from tests.helpers import FERRY, ferry, judge, make_stream, wait_for
+from tests.lab.test_move import finish
 
 pytestmark = pytest.mark.lab
 
@@ -126,7 +126,7 @@ def events(stderr: str) -> list[dict[str, Any]]:
 
 
 def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
-    supercluster: lab.LabState, crowded: Any, tmp_path: Path
+    supercluster: lab.LabState, crowded: Any, tmp_path: Path, spark: Any
 ) -> None:
     topology = supercluster.path / "topology.yaml"
     topo = profile_topology(supercluster)
@@ -183,7 +183,7 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
     assert status[0]["state"] == "prohibiting" and status[0]["rates"]["conn_evict_rate"] == 30
 
     finish(load)
-    a = audit(topology, tmp_path / "ledger", "jetstream://east/EVAC", tmp_path / "audit.html")
+    a = judge(spark, topology, tmp_path / "ledger", "jetstream://east/EVAC", tmp_path / "audit.html")
     assert a["sent"] > 0 and a["lost"] == 0 and a["extra_copies"] == 0, a
 
     ferry("node", "stop", "east-1", topology=topology, check=True)
@@ -273,7 +273,7 @@ def test_evacuation_moves_persistent_mqtt_sessions_with_their_qos1_messages(
 
 
 def test_rebalance_proposes_then_balances_through_haproxy(
-    supercluster: lab.LabState, crowded: Any, tmp_path: Path
+    supercluster: lab.LabState, crowded: Any, tmp_path: Path, spark: Any
 ) -> None:
     topology = supercluster.path / "topology.yaml"
     crowded("east-2")
@@ -299,7 +299,7 @@ def test_rebalance_proposes_then_balances_through_haproxy(
     again = json.loads(ferry(*args, topology=topology, check=True).stdout)
     assert again["outcome"] == "nothing to balance"
     finish(load)
-    a = audit(topology, tmp_path / "ledger", "jetstream://east/REBAL", tmp_path / "audit.html")
+    a = judge(spark, topology, tmp_path / "ledger", "jetstream://east/REBAL", tmp_path / "audit.html")
     assert a["sent"] > 0 and a["lost"] == 0 and a["extra_copies"] == 0, a
 
 
@@ -349,7 +349,7 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
 
 
 def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leaders(
-    rabbit_cluster: lab.LabState, tmp_path: Path
+    rabbit_cluster: lab.LabState, tmp_path: Path, spark: Any
 ) -> None:
     from ferry.lab.procs import port_open
 
@@ -423,21 +423,8 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     snap = tmp_path / "snap"
     ferry("snapshot", "rabbitmq://rabbits/%2F/evac.q.*", "--out", str(snap), topology=topology, check=True)
     # producers re-send what the broker had not confirmed when it closed them: at least once, so copies may appear
-    r = ferry(
-        "audit",
-        "--ledger",
-        str(tmp_path / "ledger"),
-        "--tier",
-        f"t={snap}",
-        "--max-dup",
-        "1000",
-        "--html",
-        str(tmp_path / "audit.html"),
-        "--json",
-        topology=topology,
-    )
-    a = json.loads(r.stdout)["tiers"]["t"]
-    assert r.returncode == 0 and a["sent"] > 0 and a["lost"] == 0, a
+    a = judge(spark, topology, tmp_path / "ledger", str(snap), tmp_path / "audit.html", max_dup=1000)
+    assert a["sent"] > 0 and a["lost"] == 0, a
 
 
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(

@@ -21,7 +21,7 @@ from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.pipeline.rabbitmq import headers_from_json
 from ferry.topology import Topology
 from tests.conftest import profile_topology
-from tests.helpers import ferry, ferry_killed_when, queue_depth
+from tests.helpers import ferry, ferry_killed_when, judge, queue_depth
 
 VHOSTS = {"fb-a": [f"fed-{i}" for i in range(5)], "fb /#%ü": [f"fed q/{i}#ü" for i in range(5)]}
 PER_QUEUE = 10_000
@@ -137,25 +137,11 @@ def _assert_rich_preserved(snapshot: Path) -> None:
     assert rich["payload"] == b'{"rich": 1}'
 
 
-def _audit(dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
+def _audit(spark: Any, dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
     snap = tmp_path / "pc1-snap"
     ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), topology=dr["topology"], check=True)
-    result = ferry(
-        "audit",
-        "--ledger",
-        str(dr["ledger"]),
-        "--tier",
-        f"pc1={snap}",
-        "--max-dup",
-        str(max_dup),
-        "--html",
-        str(tmp_path / "audit.html"),
-        "--json",
-        topology=dr["topology"],
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     _assert_rich_preserved(snap)
-    return json.loads(result.stdout)["tiers"]["pc1"]
+    return judge(spark, dr["topology"], dr["ledger"], str(snap), tmp_path / "audit.html", max_dup=max_dup)
 
 
 def _assert_done(dr: dict[str, Any]) -> None:
@@ -172,7 +158,7 @@ def _assert_done(dr: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("engine", ["shovel", "spark"])
 def test_failback_moves_every_orphaned_message_and_restores_federation(
-    dr: dict[str, Any], tmp_path: Path, engine: str
+    dr: dict[str, Any], tmp_path: Path, engine: str, spark: Any
 ) -> None:
     topology, topo = dr["topology"], dr["topo"]
     before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
@@ -202,14 +188,14 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     assert dr["password"] not in result.stdout + result.stderr
     _assert_done(dr)
 
-    tier = _audit(dr, tmp_path, max_dup=report["possible_duplicates"])
+    tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
     assert tier["lost"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE
 
     again = ferry("failback", "--from", "ltm", "--to", "pc1", "--json", topology=topology, check=True)
     assert json.loads(again.stdout)["outcome"] == "nothing to do"
 
 
-def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path: Path) -> None:
+def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "spark")
 
@@ -236,11 +222,11 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path:
     assert report["outcome"] == "complete" and report["total"]["left"] == 0
     assert report["total"]["before"] == 10 * PER_QUEUE + 1  # from the journal: the counts before the first run
     _assert_done(dr)
-    tier = _audit(dr, tmp_path, max_dup=report["possible_duplicates"])
+    tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
     assert tier["lost"] == 0
 
 
-def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path) -> None:
+def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--max-active", "2")
 
@@ -255,7 +241,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     report = json.loads(result.stdout)
     assert report["outcome"] == "complete" and report["total"]["left"] == 0
     _assert_done(dr)
-    assert _audit(dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
+    assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
 
 
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:

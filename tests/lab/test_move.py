@@ -20,7 +20,7 @@ from ferry.brokers import nats as bnats
 from ferry.lab.procs import port_open
 from ferry.ops import move as mv
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, make_stream
+from tests.helpers import FERRY, ferry, judge, make_stream
 
 pytestmark = pytest.mark.lab
 
@@ -61,22 +61,6 @@ def move(topology: Path, *args: str, cwd: Path | None = None) -> tuple[int, dict
     r = subprocess.run([*FERRY, "move", *args, "--json"], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
     events = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, events
-
-
-def audit(topology: Path, ledger: Path, tier: str, html: Path) -> dict[str, Any]:
-    report = ferry(
-        "audit",
-        "--ledger",
-        str(ledger),
-        "--tier",
-        f"t={tier}",
-        "--html",
-        str(html),
-        "--json",
-        topology=topology,
-        check=True,
-    )
-    return json.loads(report.stdout)["tiers"]["t"]
 
 
 def where(topology: Path, stream: str) -> tuple[str, list[str]]:
@@ -153,7 +137,9 @@ class Consumers:
                 firsts.add(seq)
 
 
-def test_move_under_core_and_jetstream_load_loses_nothing(supercluster: lab.LabState, tmp_path: Path) -> None:
+def test_move_under_core_and_jetstream_load_loses_nothing(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any
+) -> None:
     topology = topology_of(supercluster)
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "MOVE_A", ["move_a.>"], placement="east"))
@@ -185,7 +171,7 @@ def test_move_under_core_and_jetstream_load_loses_nothing(supercluster: lab.LabS
     assert result["captured"] > 0 and result["unavailable_s"] < 5
     assert where(topology, "MOVE_A")[0] == "west"
 
-    t = audit(topology, ledgers, "jetstream://west/MOVE_A", tmp_path / "audit.html")
+    t = judge(spark, topology, ledgers, "jetstream://west/MOVE_A", tmp_path / "audit.html")
     assert t["sent"] > 2 * RATE * 10 and t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
     assert t["tier_messages"] == last == t["sent"]
 
@@ -264,7 +250,9 @@ def fill_big(topo: Any, stream: str, n: int = 40_000, size: int = 8000) -> None:
     asyncio.run(fill_stream(topo, "east", n, lambda i: subject, lambda i: i.to_bytes(8, "big") * (size // 8)))
 
 
-def test_timeout_cancels_and_leaves_stream_healthy_where_it_was(supercluster: lab.LabState, tmp_path: Path) -> None:
+def test_timeout_cancels_and_leaves_stream_healthy_where_it_was(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any
+) -> None:
     topology = topology_of(supercluster)
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "MOVE_T", ["move_t.>"], placement="east"))
@@ -277,11 +265,13 @@ def test_timeout_cancels_and_leaves_stream_healthy_where_it_was(supercluster: la
     assert any(e["event"] == "cancelling" and e["reason"] == "timeout" for e in events)
     cluster, peers = where(topology, "MOVE_T")
     assert cluster == "east" and all(p.startswith("east-") for p in peers) and len(peers) == 3
-    t = audit(topology, tmp_path / "ledger", "jetstream://east/MOVE_T?subject=move_t.core.>", tmp_path / "a.html")
+    t = judge(
+        spark, topology, tmp_path / "ledger", "jetstream://east/MOVE_T?subject=move_t.core.>", tmp_path / "a.html"
+    )
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 6, t
 
 
-def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, tmp_path: Path) -> None:
+def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, tmp_path: Path, spark: Any) -> None:
     topology = topology_of(supercluster)
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "MOVE_K", ["move_k.>"], placement="east"))
@@ -310,7 +300,9 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
     assert any(e["event"] == "resume" for e in events)
     assert where(topology, "MOVE_K")[0] == "west"
-    t = audit(topology, tmp_path / "ledger", "jetstream://west/MOVE_K?subject=move_k.core.>", tmp_path / "a.html")
+    t = judge(
+        spark, topology, tmp_path / "ledger", "jetstream://west/MOVE_K?subject=move_k.core.>", tmp_path / "a.html"
+    )
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 10, t
 
 

@@ -20,8 +20,8 @@ from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.ops import move as mv
 from ferry.ops import partition as pt
-from tests.helpers import FERRY, ferry
-from tests.lab.test_move import audit, finish, start_load
+from tests.helpers import FERRY, ferry, judge
+from tests.lab.test_move import finish, start_load
 
 pytestmark = pytest.mark.lab
 
@@ -170,7 +170,7 @@ def test_concurrent_conflicting_claims_exactly_one_wins(supercluster: lab.LabSta
     asyncio.run(check_streams())
 
 
-def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, tmp_path: Path) -> None:
+def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, tmp_path: Path, spark: Any) -> None:
     topology = supercluster.path / "topology.yaml"
     v1 = write_map(
         tmp_path / "v1.yaml",
@@ -222,8 +222,8 @@ def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, 
     result = json.loads(r.stdout)
     assert result["purged"] == result["copied"] > 2000
     assert result["guard"]["SPLIT_US"]["captured"] > 0  # the switch happened under load
-    us = audit(topology, led / "us", "jetstream://east/SPLIT_US", tmp_path / "us.html")
-    eu = audit(topology, led / "eu", "jetstream://east/SPLIT", tmp_path / "eu.html")
+    us = judge(spark, topology, led / "us", "jetstream://east/SPLIT_US", tmp_path / "us.html")
+    eu = judge(spark, topology, led / "eu", "jetstream://east/SPLIT", tmp_path / "eu.html")
     for t in (us, eu):
         assert t["lost"] == 0 and t["duplicated"] == 0 and t["unexpected"] == 0, t
 

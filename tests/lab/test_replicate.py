@@ -21,7 +21,7 @@ import pytest
 from ferry import lab
 from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import FERRY, ferry, make_stream, read_stream, stream_count, wait_for
+from tests.helpers import FERRY, ferry, judge, make_stream, read_stream, stream_count, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -70,11 +70,6 @@ def finished(p: subprocess.Popen) -> dict[str, Any]:
     return json.loads(out)
 
 
-def audit(topology: Path, ledgers: list[Path], tier: str, html: Path) -> dict[str, Any]:
-    args = ["audit", *(a for p in ledgers for a in ("--ledger", str(p))), "--tier", f"t={tier}", "--html", str(html)]
-    return json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)["tiers"]["t"]
-
-
 def same_count(topo: Any, stream: str, timeout: float = 90) -> int:
     """Wait until sfo holds as many messages of `stream` as nyc; that count."""
     return wait_for(
@@ -112,7 +107,7 @@ def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") 
     ferry("replicate", "start", "--from", source, "--to", dest, "--streams", stream, topology=topology, check=True)
 
 
-def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path) -> None:
+def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path, spark: Any) -> None:
     topo = load_topology(topology)
     define(topology, "RATE")
     (port,) = free_ports(1)
@@ -125,7 +120,7 @@ def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, 
         n = same_count(topo, "RATE")
         assert n == summary["acked"]
 
-        a = audit(topology, [tmp_path / "ledger"], "jetstream://sfo/RATE", tmp_path / "audit.html")
+        a = judge(spark, topology, [tmp_path / "ledger"], "jetstream://sfo/RATE", tmp_path / "audit.html")
         assert a["lost"] == 0 and a["extra_copies"] == 0 and a["unexpected"] == 0, a
         assert a["delay"]["p99_ms"] < 2000, a["delay"]  # sent at nyc -> stored at sfo
 
@@ -156,7 +151,9 @@ def ferry_progress(topology: Path) -> dict[str, Any]:
     return next(iter((mine.get("progress") or {"": {"relayed": None}}).values()))
 
 
-def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(topology: Path, tmp_path: Path) -> None:
+def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
+    topology: Path, tmp_path: Path, spark: Any
+) -> None:
     topo = load_topology(topology)
     define(topology, "FAIL")
     a, b, c = Relay(topology, tmp_path, "nyc", "sfo"), None, None
@@ -174,7 +171,7 @@ def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(top
         assert resume["source"] == "destination" and resume["after"]["FAIL"] > 3000
         summary = finished(producers)
         same_count(topo, "FAIL")
-        got = audit(topology, [tmp_path / "ledger"], "jetstream://sfo/FAIL", tmp_path / "audit.html")
+        got = judge(spark, topology, [tmp_path / "ledger"], "jetstream://sfo/FAIL", tmp_path / "audit.html")
         assert got["acked"] == summary["acked"] and got["lost"] == 0 and got["extra_copies"] == 0, got
 
         ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
@@ -194,7 +191,7 @@ def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(top
                 r.close()
 
 
-def test_both_ways_without_cycles(topology: Path, tmp_path: Path) -> None:
+def test_both_ways_without_cycles(topology: Path, tmp_path: Path, spark: Any) -> None:
     topo = load_topology(topology)
     define(topology, "BI", "nyc", "sfo")
     define(topology, "BI", "sfo", "nyc")
@@ -214,7 +211,7 @@ def test_both_ways_without_cycles(topology: Path, tmp_path: Path) -> None:
         for site in ("nyc", "sfo"):
             assert stream_count(topo, site, "BI") == n
         exactly_once(topo, "nyc", "BI", ledgers)
-        got = audit(topology, ledgers, "jetstream://sfo/BI", tmp_path / "audit.html")
+        got = judge(spark, topology, ledgers, "jetstream://sfo/BI", tmp_path / "audit.html")
         assert got["lost"] == 0 and got["extra_copies"] == 0 and got["unexpected"] == 0, got
         for source, dest in (("nyc", "sfo"), ("sfo", "nyc")):
             ferry("replicate", "stop", "--from", source, "--to", dest, topology=topology, check=True)
@@ -224,7 +221,7 @@ def test_both_ways_without_cycles(topology: Path, tmp_path: Path) -> None:
 
 
 def test_site_failover_and_failback_keep_every_acked_message_once(
-    sites: lab.LabState, topology: Path, tmp_path: Path
+    sites: lab.LabState, topology: Path, tmp_path: Path, spark: Any
 ) -> None:
     """Load at nyc; the relay falls behind (paused) and nyc dies; fail over to sfo; load at sfo;
     nyc returns; fail back: every acked message exists exactly once at both sites."""
@@ -259,7 +256,7 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         assert cyc["brought"] == at_sfo, cyc
 
         ledgers = [tmp_path / "ledger-nyc", tmp_path / "ledger-sfo"]
-        got = audit(topology, ledgers, "jetstream://nyc/CYC", tmp_path / "audit.html")
+        got = judge(spark, topology, ledgers, "jetstream://nyc/CYC", tmp_path / "audit.html")
         assert got["lost"] == 0 and got["extra_copies"] == 0 and got["unexpected"] == 0, got
         exactly_once(topo, "sfo", "CYC", ledgers)
         for site in ("nyc", "sfo"):
