@@ -618,3 +618,69 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
         for c in clients:
             with contextlib.suppress(Exception):
                 await c.close()
+
+
+async def test_evacuation_survives_a_restart_of_its_node(supercluster: lab.LabState) -> None:
+    """40 clients on east-3 (they reconnect to the next server of their list); while they are evicted at 4/s, east-3 is
+    killed and started again: the evacuation waits for it, goes on in the same state with the same
+    rates (its journal lives in the cluster's replicated KV), and ends with east-3 empty."""
+    import signal
+
+    topology = supercluster.path / "topology.yaml"
+    topo = profile_topology(supercluster)
+    east3 = next(b for b in topo.nats("east").brokers if b.name == "east-3")
+    east = topo.nats("east")
+    urls = [east3.url] + [b.url for b in east.brokers if b.name != "east-3"]  # east-3 first, the others next
+    clients = [await bnats.connect(east, urls=urls, dont_randomize=True) for _ in range(40)]
+    victim = supercluster.proc("east-3")
+    args = ["node", "evacuate", "east-3", "--wait-health-check", "0", "--conn-evict-rate", "4"]
+    args += ["--wait-takeover", "1", "--json"]
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def evicting() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"ferry exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+            return connections(supercluster, ("east-3",))["east-3"] <= 36
+
+        try:
+            await asyncio.to_thread(wait_for, evicting, 60, "evicting")
+        except AssertionError as exc:
+            proc.kill()
+            raise AssertionError(
+                f"{exc}; connections {connections(supercluster)}; {proc.communicate()[1][-3000:]}"
+            ) from None
+        victim.signal(signal.SIGKILL)
+        await asyncio.to_thread(wait_for, lambda: not victim.alive(), 10, "east-3 to die")
+        await asyncio.sleep(2)
+        victim.start()
+        supercluster.save()
+        out, err = await asyncio.to_thread(proc.communicate, timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        result = json.loads(out)
+        assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
+        assert result["rates"]["conn_evict_rate"] == 4, result
+        assert 4 <= result["evicted"]["connections"] < 36, result  # the restart sent the rest elsewhere
+        states = [e["state"] for e in events(err) if e["event"] == "state"]
+        assert states == [
+            "waiting_health_check",
+            "evicting_conns",
+            "waiting_takeover",
+            "evicting_sessions",
+            "prohibiting",
+        ]
+        assert all(c.is_connected for c in clients)  # every client found another node
+        assert connections(supercluster, ("east-3",))["east-3"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        ferry("node", "stop", "east-3", topology=topology)
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.close()
+        if not victim.alive():
+            victim.start()
+            supercluster.save()
+        await asyncio.to_thread(wait_for, lambda: supercluster.health().get("east-3") == "ok", 60, "east-3 healthy")

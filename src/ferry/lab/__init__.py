@@ -189,7 +189,7 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
             layout = {"rabbits": ["rabbits-1", "rabbits-2", "rabbits-3"]}
         nodes = lab_rabbit.plan_nodes(layout)
         state.rabbit = [asdict(n) for n in nodes]
-        (epmd_port,) = free_ports(1)
+        (epmd_port,) = free_ports(1, exclude={p for n in nodes for p in (n.amqp, n.management, n.mqtt, n.dist)})
         state.procs += lab_rabbit.make_procs(nodes, pdir, secret("rabbitmq"), epmd_port)
         for cluster in layout:
             site = cluster if profile == "rabbit-dr" else "dc"

@@ -52,10 +52,12 @@ class NatsServer:
 
 
 def plan_servers(clusters: dict[str, int]) -> list[NatsServer]:
-    servers = []
+    servers: list[NatsServer] = []
+    planned: set[int] = set()  # no server is listening yet: a port must not be handed out twice
     for cname, n in clusters.items():
         for i in range(1, n + 1):
-            client, monitor, route, gateway, mqtt = free_ports(5)
+            client, monitor, route, gateway, mqtt = ports = free_ports(5, exclude=planned)
+            planned.update(ports)
             servers.append(
                 NatsServer(
                     name=f"{cname}-{i}",

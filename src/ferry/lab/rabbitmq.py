@@ -73,10 +73,12 @@ def check_installed() -> None:
 
 
 def plan_nodes(clusters: dict[str, list[str]]) -> list[RabbitNode]:
-    nodes = []
+    nodes: list[RabbitNode] = []
+    planned: set[int] = set()  # no node is listening yet: a port must not be handed out twice
     for cname, names in clusters.items():
         for name in names:
-            amqp, management, mqtt, dist = free_ports(4)
+            amqp, management, mqtt, dist = ports = free_ports(4, exclude=planned)
+            planned.update(ports)
             nodes.append(RabbitNode(name, cname, amqp, management, mqtt, dist))
     return nodes
 
