@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,11 @@ def exactly_once(topo: Any, site: str, stream: str, ledgers: list[Path]) -> None
 
 
 @pytest.fixture
-def topology(sites: lab.LabState) -> Path:
-    return sites.path / "topology.yaml"
+def topology(sites: lab.LabState) -> Iterator[Path]:
+    path = sites.path / "topology.yaml"
+    yield path
+    for source, dest in (("nyc", "sfo"), ("sfo", "nyc")):  # so a failed test leaves no replication running
+        ferry("replicate", "stop", "--from", source, "--to", dest, "--wait", "0", topology=path)
 
 
 def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") -> None:
