@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -17,14 +18,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import httpx
 import nats
 import pytest
 
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.brokers.rabbitmq import Management, amqp_connect
+from ferry.ops.nodes import RELOCATE_PREFIX, Asset
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, judge, make_stream, wait_for
+from tests.helpers import FERRY, ferry, ferry_killed_when, judge, make_stream, wait_for
 from tests.lab.test_move import finish
 
 pytestmark = pytest.mark.lab
@@ -433,11 +437,6 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     """A classic queue on the evacuated node ends up on another node with its name, arguments,
     bindings and every message, including those routed to it while it moved; killing ferry
     while the messages are in the holding queue and running it again finishes the relocation."""
-    import aio_pika
-
-    from ferry.brokers.rabbitmq import Management, amqp_connect
-    from ferry.ops.nodes import RELOCATE_PREFIX, Asset
-    from tests.helpers import ferry_killed_when
 
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
@@ -525,8 +524,6 @@ async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
     """60 idle clients on east-1; while the rebalance evicts them slowly, east-3 dies: the
     rebalance stops (non-zero exit, the failed node named), its journal is gone, so every donor
     is back in the balancer's rotation; east-3 then returns."""
-    import signal
-
     topology = supercluster.path / "topology.yaml"
     topo = profile_topology(supercluster)
     east1 = next(b for b in topo.nats("east").brokers if b.name == "east-1")
@@ -593,8 +590,6 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
         return sum(1 for c in mgmt("/connections?columns=node,client_properties") if c["node"] == first.node)
 
     assert set(leaders().values()) == {first.node}
-    from ferry.brokers.rabbitmq import amqp_connect
-
     clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]
     try:
         await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 30, "40 connections listed on rabbits-1")
@@ -624,8 +619,6 @@ async def test_evacuation_survives_a_restart_of_its_node(supercluster: lab.LabSt
     """40 clients on east-3 (they reconnect to the next server of their list); while they are evicted at 4/s, east-3 is
     killed and started again: the evacuation waits for it, goes on in the same state with the same
     rates (its journal lives in the cluster's replicated KV), and ends with east-3 empty."""
-    import signal
-
     topology = supercluster.path / "topology.yaml"
     topo = profile_topology(supercluster)
     east3 = next(b for b in topo.nats("east").brokers if b.name == "east-3")
