@@ -7,8 +7,8 @@
   (DELETE). Mutating endpoints need ``Authorization: Bearer <token>``;
 - OpenAPI at ``/openapi.json``.
 
-The server watches every NATS cluster's ``ferry_ops`` bucket (and polls every
-RabbitMQ cluster's ``ferry-ops.*`` global parameters twice a second), so answers
+The server reads every cluster's journal (NATS: the ``ferry_ops`` bucket; RabbitMQ:
+the ``ferry-ops.*`` global parameters) twice a second, so answers
 follow the journal whoever wrote it (a CLI, another ``ferry serve``), and it
 drives every journaled operation whose driver died: an evacuation started from
 the CLI is kept ``prohibiting`` here after the CLI returns.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -28,11 +27,10 @@ from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from ferry.brokers import nats as bnats
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.ops import rebalance as rb
-from ferry.ops.journal import bucket, owner_alive
-from ferry.ops.nodes import CONTROL
+from ferry.ops.journal import owner_alive
+from ferry.ops.nodes import open_nodes
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
@@ -51,37 +49,20 @@ class Registry:
         self.stops: dict[str, asyncio.Event] = {}
 
     async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
-        """Mirror `name`'s journal keys, reconnecting forever."""
-        while not isinstance(cluster, NatsCluster):  # RabbitMQ has no watch: poll
+        """Mirror `name`'s journal keys twice a second, reconnecting forever. A poll, not a KV
+        watch: nats-py's ordered consumer can stall for good when the server holding it dies."""
+        while True:
             try:
-                self.states[name] = await rb.states(cluster, name)
+                async with open_nodes(name, cluster, avoid=[]) as nodes:
+                    journal = nodes.journal("")
+                    await journal.open()
+                    while True:
+                        self.states[name] = await rb.journaled(journal, name)
+                        await asyncio.sleep(0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the last known states; try again
                 log.warning("reading %s's journal: %s", name, exc)
-            await asyncio.sleep(0.5)
-        while True:
-            try:
-                async with bnats.session(cluster, name=name, client_name=f"{CONTROL}-serve") as nc:
-                    kv = await bucket(nc, replicas=min(3, len(cluster.brokers)))
-                    watcher = await kv.watchall()
-                    seen: dict[str, dict[str, Any]] = {}
-                    async for e in watcher:
-                        if e is None:  # initial values delivered
-                            self.states[name] = seen
-                            continue
-                        if not (e.key == rb.rebalance_key(name) or e.key.startswith(f"evacuation.{name}.")):
-                            continue
-                        if e.operation or not e.value:
-                            seen.pop(e.key, None)
-                        else:
-                            seen[e.key] = json.loads(e.value)
-                        if name in self.states:
-                            self.states[name] = seen
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the last known states; try again
-                log.warning("watching %s's journal: %s", name, exc)
                 await asyncio.sleep(1.0)
 
     async def adopt(self) -> None:

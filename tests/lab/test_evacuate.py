@@ -125,6 +125,38 @@ def crowd_of(state: lab.LabState, load: subprocess.Popen, node: str) -> None:
         raise AssertionError(f"{exc}; connections {connections(state)}") from None
 
 
+def _rabbit_auth(cluster: Any) -> tuple[str, str]:
+    return (cluster.credentials.user, cluster.credentials.password())
+
+
+def rabbit_get(cluster: Any, path: str) -> Any:
+    """A management API GET through rabbits-2, a node the RabbitMQ tests never empty."""
+    url = f"{cluster.brokers[1].management_url}/api{path}"
+    return httpx.get(url, auth=_rabbit_auth(cluster), timeout=10).json()
+
+
+def quorum_queues_on_first(cluster: Any, prefix: str, n: int) -> list[str]:
+    """n quorum queues declared through rabbits-1, so their leaders start there."""
+    names = [f"{prefix}.{i}" for i in range(n)]
+    for name in names:
+        r = httpx.put(
+            f"{cluster.brokers[0].management_url}/api/queues/%2F/{name}",
+            json={"durable": True, "arguments": {"x-queue-type": "quorum"}},
+            auth=_rabbit_auth(cluster),
+            timeout=10,
+        )
+        assert r.status_code in (201, 204), r.text
+    return names
+
+
+def quorum_leaders(cluster: Any, names: list[str]) -> dict[str, str]:
+    return {
+        x["name"]: x.get("leader", "")
+        for x in rabbit_get(cluster, "/queues/%2F?columns=name,leader")
+        if x["name"] in names
+    }
+
+
 def events(stderr: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
 
@@ -361,22 +393,10 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     cluster = profile_topology(state).rabbitmq("rabbits")
     nodes = [b.name for b in cluster.brokers]
     first = cluster.brokers[0]
-    auth = (cluster.credentials.user, cluster.credentials.password())  # type: ignore[union-attr]
-    queues = [f"evac.q.{i}" for i in range(4)]
-    for name in queues:  # declared through rabbits-1: their leaders start there
-        r = httpx.put(
-            f"{first.management_url}/api/queues/%2F/{name}",
-            json={"durable": True, "arguments": {"x-queue-type": "quorum"}},
-            auth=auth,
-            timeout=10,
-        )
-        assert r.status_code in (201, 204), r.text
-
-    def mgmt(path: str) -> Any:  # through a node that stays up
-        return httpx.get(f"{cluster.brokers[1].management_url}/api{path}", auth=auth, timeout=10).json()
+    queues = quorum_queues_on_first(cluster, "evac.q", 4)
 
     def leaders() -> dict[str, str]:
-        return {x["name"]: x.get("leader", "") for x in mgmt("/queues/%2F?columns=name,leader") if x["name"] in queues}
+        return quorum_leaders(cluster, queues)
 
     assert set(leaders().values()) == {first.node}
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
@@ -391,7 +411,7 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
         load = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
         def on_first() -> int:
-            return sum(1 for c in mgmt("/connections?columns=node") if c["node"] == first.node)
+            return sum(1 for c in rabbit_get(cluster, "/connections?columns=node") if c["node"] == first.node)
 
         wait_for(lambda: on_first() >= 40, 30, "40 AMQP clients on rabbits-1")
     finally:
@@ -545,8 +565,10 @@ async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
         assert result["outcome"] == "aborted: node east-3 stopped answering", result
         assert any(e["event"] == "abort" for e in events(err)), err[-2000:]
         assert connections(supercluster, ("east-1",))["east-1"] >= 30  # it stopped evicting
-        check = api(supercluster, "GET", "/availability_check?node=east-1")
-        assert check.status_code == 200, check.text  # the donor is back in service
+        check = "/availability_check?node=east-1"
+        await asyncio.to_thread(
+            wait_for, lambda: api(supercluster, "GET", check).status_code == 200, 5, "east-1 back in service (200)"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -568,26 +590,16 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
     a second run finds nothing to balance."""
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
-    first, other = cluster.brokers[0], cluster.brokers[1]
-    auth = (cluster.credentials.user, cluster.credentials.password())  # type: ignore[union-attr]
-    queues = [f"rebal.q.{i}" for i in range(6)]
-    for name in queues:
-        r = httpx.put(
-            f"{first.management_url}/api/queues/%2F/{name}",
-            json={"durable": True, "arguments": {"x-queue-type": "quorum"}},
-            auth=auth,
-            timeout=10,
-        )
-        assert r.status_code in (201, 204), r.text
-
-    def mgmt(path: str) -> Any:
-        return httpx.get(f"{other.management_url}/api{path}", auth=auth, timeout=10).json()
+    first = cluster.brokers[0]
+    queues = quorum_queues_on_first(cluster, "rebal.q", 6)
 
     def leaders() -> dict[str, str]:
-        return {x["name"]: x.get("leader", "") for x in mgmt("/queues/%2F?columns=name,leader") if x["name"] in queues}
+        return quorum_leaders(cluster, queues)
 
     def on_first() -> int:
-        return sum(1 for c in mgmt("/connections?columns=node,client_properties") if c["node"] == first.node)
+        return sum(
+            1 for c in rabbit_get(cluster, "/connections?columns=node,client_properties") if c["node"] == first.node
+        )
 
     assert set(leaders().values()) == {first.node}
     clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]

@@ -307,15 +307,19 @@ class _Driver:
         moves = []
         for a in todo[:n]:
             options = [p for p in a.peers if p in targets and p != view.name]
-            preferred = min(options, key=lambda p: load.get(p, 0)) if options else None
-            if preferred:
-                load[preferred] = load.get(preferred, 0) + 1
-            moves.append((a, preferred))
+            moves.append((a, _least_loaded(options, load) if options else None))
         errors = await self.nodes.step_down_many(moves)
         for (a, _), err in zip(moves, errors, strict=True):
             if err:
                 self.emit("warning", message=f"{a.label}: step-down refused: {err}")
         return sum(1 for err in errors if not err), kept
+
+
+def _least_loaded(nodes: list[str], load: dict[str, int]) -> str:
+    """The node of `nodes` with the least load, which is then counted one more."""
+    node = min(nodes, key=lambda n: load.get(n, 0))
+    load[node] = load.get(node, 0) + 1
+    return node
 
 
 # -- evacuation ------------------------------------------------------------------------------------------
@@ -491,9 +495,7 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
     moves = []
     for a in queues:
         if up and d.fresh(f"relocate:{a.label}"):
-            target = min(up, key=lambda n: load.get(n, 0))
-            load[target] = load.get(target, 0) + 1
-            moves.append((a, target))
+            moves.append((a, _least_loaded(up, load)))
     errors = await d.while_saving(nodes.relocate(moves, d.emit))
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
@@ -662,8 +664,13 @@ async def states(cluster: NatsCluster | RabbitCluster, name: str) -> dict[str, d
     async with open_nodes(name, cluster, avoid=[]) as nodes:
         journal = nodes.journal("")
         await journal.open()
-        keys = await journal.keys([f"evacuation.{name}.>", rebalance_key(name)])
-        return {k: st for k in keys if (st := await journal.get(k))}
+        return await journaled(journal, name)
+
+
+async def journaled(journal: AnyJournal, name: str) -> dict[str, dict[str, Any]]:
+    """The states under an open journal of cluster `name`, by key."""
+    keys = await journal.keys([f"evacuation.{name}.>", rebalance_key(name)])
+    return {k: st for k in keys if (st := await journal.get(k))}
 
 
 async def node_status(topo: Topology, node: str | None = None, cluster: str = "") -> list[dict[str, Any]]:
