@@ -95,7 +95,7 @@ class Publisher:
 
     def __init__(
         self,
-        nc: Client,
+        nc: Client | Any,  # nats-py's Client, or the data plane's faster Wire
         *,
         window: int = 512,
         ack_timeout: float = 2.0,
@@ -130,7 +130,8 @@ class Publisher:
 
     async def start(self) -> None:
         self._prefix = self.nc.new_inbox() + "."
-        self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+        cb = self._reply if getattr(self.nc, "sync_callbacks", False) else self._on_reply  # ferry's own Wire
+        self._sub = await self.nc.subscribe(self._prefix + "*", cb=cb)
         self._reaper = asyncio.create_task(self._reap())
 
     async def close(self) -> None:
@@ -203,6 +204,9 @@ class Publisher:
             self.on_ack(p.ack)
 
     async def _on_reply(self, msg: Msg) -> None:
+        self._reply(msg)
+
+    def _reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) :]
         p = self._pending.get(token)
         if p is None:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import aio_pika
+import httpx
 import pytest
 
 from ferry import lab
 from ferry.lab.scenarios import fill_queue
+from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import (
+    FERRY,
     ferry,
     ferry_killed_when,
     fill_stream,
@@ -23,6 +29,7 @@ from tests.helpers import (
     queue_messages,
     read_stream,
     stream_count,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
@@ -94,6 +101,46 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
     _check_copy(supercluster, dest, prefix, ordered=mode == "ordered")
     again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert again["stored"] == 0 and stream_count(topo, "west", dest) == N
+
+
+def test_stream_copy_rides_out_the_kill_of_a_destination_server(supercluster: lab.LabState, source_stream: str) -> None:
+    """A west server that a writer is connected to is SIGKILLed mid-copy: the writer's connection
+    moves to another server, publishes left without an ack are re-sent under their ids, and the
+    copy ends with every message exactly once."""
+    topo = profile_topology(supercluster)
+    dest, prefix = "CDST_KILL", "kill."
+    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west"))
+    args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix]
+    args += ["--partitions", "2", "--rate", "4000", "--json"]
+    env = {**os.environ, "FERRY_TOPOLOGY": str(supercluster.path / "topology.yaml")}
+    proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = None
+    try:
+        wait_for(lambda: proc.poll() is not None or stream_count(topo, "west", dest) >= N // 3, 120, "a third copied")
+        assert proc.poll() is None, "the copy ended before the kill"
+        victim = supercluster.proc(wait_for(lambda: _writing_to(topo), 10, "a writer's connection in west"))
+        victim.signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-2000:]
+        assert json.loads(out)["retries"] > 0  # it did have something to ride out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if victim and not victim.alive():
+            victim.start()
+            supercluster.save()
+            wait_for(lambda: supercluster.health().get(victim.name) == "ok", 60, f"{victim.name} to answer again")
+    _check_copy(supercluster, dest, prefix, ordered=False)
+
+
+def _writing_to(topo: Topology) -> str | None:
+    """A west server with one of the data plane's connections."""
+    for b in topo.nats("west").brokers:
+        conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 100000}, timeout=5).json()["connections"] or []
+        if any(c.get("name") == "ferry-data" for c in conns):
+            return b.name
+    return None
 
 
 def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source_stream: str, tmp_path: Path) -> None:

@@ -605,7 +605,7 @@ def _moves_text(p: dict[str, Any]) -> str:
 
 async def _forward(cluster_json: str, via: str, move: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
     """Copy `move['from']`'s messages matching its pattern with lo <= seq <= hi into the new owner's staging subject."""
-    from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, read_range, write_batches
+    from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, read_rows, write_rows
 
     if hi < lo:
         return 0, 0
@@ -613,7 +613,7 @@ async def _forward(cluster_json: str, via: str, move: dict[str, Any], lo: int, h
     write = WriteConfig(
         cluster=cluster_json, name=via, stream=move["to"], subject_prefix=stage_subject(move["to"]) + "."
     )
-    counts = await write_batches(write, read_range(read, Range(move["from"], lo, hi, fetch=2000)))
+    counts = await write_rows(write, read_rows(read, Range(move["from"], lo, hi, fetch=2000)))
     return counts.rows, counts.duplicates
 
 

@@ -444,34 +444,28 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
     ranges = js.plan_ranges(rcfg)
     if not ranges:
         return
-    held = _copied_seqs(topology, plan, spark) if plan.anti_join else None
+    held = _copied_seqs(topology, plan, spark) if plan.anti_join else set()
     groups = [ranges] if opts.mode == "ordered" else [[r] for r in ranges]
     wcfg = _write_options(topology, plan.destination, plan, len(groups))["cfg"]
 
     def copy(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for i in batch.column(0).to_pylist():
-                counts = asyncio.run(js.write_batches(wcfg, _read_group(rcfg, groups[i], held)))
+                counts = asyncio.run(js.write_rows(wcfg, _read_group(rcfg, groups[i], held)))
                 yield counts.as_batch()
 
     _add_counts(report, spark.range(0, len(groups), 1, len(groups)).mapInArrow(copy, COUNTS_DDL).collect())
 
 
-async def _read_group(
-    rcfg: js.ReadConfig, ranges: list[js.Range], held: pa.Array | None
-) -> AsyncIterator[pa.RecordBatch]:
+async def _read_group(rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]) -> AsyncIterator[tuple[Any, ...]]:
     """The ranges' messages in order, without the sequences the destination already holds."""
-    import pyarrow.compute as pc
-
     for part in ranges:
-        async for batch in js.read_range(rcfg, part):
-            if held is not None:
-                batch = batch.filter(pc.invert(pc.is_in(batch.column("source_seq"), value_set=held)))
-            if batch.num_rows:
-                yield batch
+        async for row in js.read_rows(rcfg, part):
+            if row[5] not in held:
+                yield row
 
 
-def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> pa.Array:
+def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:
     """The source sequences the destination already holds (from this source), read with Spark."""
     from pyspark.sql import functions as F
 
@@ -486,7 +480,7 @@ def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> pa.Array:
         .where(F.col("headers")[js.SOURCE_HDR] == source_name)
         .select(F.col("headers")[js.SOURCE_SEQ_HDR].cast("long").alias("seq"))
     )
-    return pa.array([r["seq"] for r in held.collect()], pa.int64())
+    return {r["seq"] for r in held.collect()}
 
 
 def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyReport) -> None:

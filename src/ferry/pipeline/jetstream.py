@@ -78,6 +78,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
+from ferry.pipeline._nats import Wire, wire
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
 from ferry.publish import (
     MSG_ID,
@@ -99,6 +100,7 @@ __all__ = [
     "WriteConfig",
     "plan_ranges",
     "read_range",
+    "read_rows",
     "stream_states",
     "write_batches",
 ]
@@ -270,7 +272,7 @@ def _ack_fields(reply: str) -> tuple[int, int, int]:
 
 
 class _Puller:
-    """Pull requests on one inbox subscription; messages collected by a callback.
+    """Pull requests on one inbox subscription of a :class:`Wire`; messages collected by a callback.
 
     nats-py's ``fetch`` spends most of its time in per-message ``wait_for``; a
     callback that appends to a list and one event per request is several times
@@ -280,7 +282,7 @@ class _Puller:
     the next request; readers also skip sequences they have already passed).
     """
 
-    def __init__(self, nc: Any, stream: str, consumer: str) -> None:
+    def __init__(self, nc: Wire, stream: str, consumer: str) -> None:
         self.nc = nc
         self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self.inbox = nc.new_inbox()
@@ -290,9 +292,9 @@ class _Puller:
         self.done = asyncio.Event()
 
     async def start(self) -> None:
-        self.sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        self.sub = await self.nc.subscribe(self.inbox, cb=self._on_msg)
 
-    async def _on_msg(self, msg: Any) -> None:
+    def _on_msg(self, msg: Any) -> None:
         if not msg.reply:  # a status message: no more for this request
             self.done.set()
             return
@@ -324,7 +326,7 @@ async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any,
     source = f"{cfg.name}/{part.stream}"
     next_seq = part.lo
     deadline = time.monotonic() + 120
-    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
+    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc, wire(cfg.nats(), cfg.name) as w:
         jsm = nc.jsm(timeout=10)
         done = False
         while not done and next_seq <= part.hi:
@@ -348,7 +350,7 @@ async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any,
                 raise NotFound(f"stream {part.stream!r} not found in cluster {cfg.name}", stream=part.stream) from None
             if info.num_pending == 0:
                 break
-            puller = _Puller(nc, part.stream, info.name)
+            puller = _Puller(w, part.stream, info.name)
             await puller.start()
             try:
                 while not done:
@@ -398,20 +400,22 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
         yield builder.flush()
 
 
-async def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
-    """Publish to `to` the messages of `part` first stored here (without ``Ferry-Origin-Site``),
-    each pulled list as soon as it arrives, without building Arrow batches: what a relay's read
-    task does."""
+async def read_rows(cfg: ReadConfig, part: Range) -> AsyncIterator[tuple[Any, ...]]:
+    """The messages of `part` as the rows :func:`write_rows` publishes (subject, payload, headers,
+    msg id, source, seq), without building Arrow batches: what tasks that read and write at once
+    (a copy between streams, a relay) use."""
     source = f"{cfg.name}/{part.stream}"
+    async for got in _pulled(cfg, part):
+        for m, seq, _ in got:
+            headers = m.headers or {}
+            yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
 
-    async def rows() -> AsyncIterator[tuple[Any, ...]]:
-        async for got in _pulled(cfg, part):
-            for m, seq, _ in got:
-                headers = m.headers or {}
-                if ORIGIN_SITE_HDR not in headers:
-                    yield m.subject, m.data, headers.items(), headers.get(MSG_ID), source, seq
 
-    return await write_rows(to, rows())
+async def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
+    """Publish to `to` the messages of `part` first stored here (without ``Ferry-Origin-Site``):
+    what a relay's read task does."""
+    rows = (row async for row in read_rows(cfg, part) if ORIGIN_SITE_HDR not in row[2])
+    return await write_rows(to, rows)
 
 
 class JetStreamReader(DataSourceReader):
@@ -527,14 +531,15 @@ async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
 
 
 async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> WriteCounts:
-    """Publish every row (subject, payload, header pairs, msg id, source, seq); raise if any
-    message could not be stored."""
+    """Publish every row (subject, payload, headers as a dict or pairs, msg id, source, seq);
+    raise if any message could not be stored."""
     counts = WriteCounts()
-    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
+    async with wire(cfg.nats(), cfg.name) as w:
         if cfg.ordered:
-            await _write_ordered(nc, cfg, rows, counts)
+            async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
+                await _write_ordered(nc, w, cfg, rows, counts)
         else:
-            pub = Publisher(nc, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
+            pub = Publisher(w, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
             pacer = Pacer(cfg.rate)
             async with pub:
                 async for row in rows:
@@ -555,7 +560,8 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> 
 
 def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str], str]:
     subject, payload, headers, msg_id, source, seq = row
-    hdrs = {k: v for k, v in (headers or []) if k not in _EXPECTED and k != MSG_ID}
+    pairs = headers.items() if isinstance(headers, dict) else headers or ()
+    hdrs = {k: v for k, v in pairs if k not in _EXPECTED and k != MSG_ID}
     if cfg.origin_headers and source is not None and seq is not None:
         hdrs[SOURCE_HDR] = source
         hdrs[SOURCE_SEQ_HDR] = str(seq)
@@ -570,8 +576,11 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
 
 
-async def _write_ordered(nc: Any, cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], counts: WriteCounts) -> None:
-    """Pipelined publishes, each expecting its predecessor as the stream's last message.
+async def _write_ordered(
+    nc: Any, w: Wire, cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], counts: WriteCounts
+) -> None:
+    """Pipelined publishes on `w`, each expecting its predecessor as the stream's last message
+    (stream info on `nc`).
 
     A failure (timeout, leader change, another writer) stops the pipeline; the
     stream's last sequence then says exactly which messages are stored, and
@@ -596,7 +605,7 @@ async def _write_ordered(nc: Any, cfg: WriteConfig, rows: AsyncIterator[tuple[An
         while pending:
             failures.clear()
             pub = Publisher(
-                nc,
+                w,
                 window=cfg.window,
                 ack_timeout=cfg.ack_timeout,
                 give_up_after=cfg.give_up_after,

@@ -56,11 +56,11 @@ from pamqp import commands
 from pamqp.header import ContentHeader
 from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 
-from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import amqp_connect, q
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.pipeline._amqp import Delivery, raw_connect, with_header
 from ferry.pipeline._common import WriteCounts, cluster_json, nats_cluster, opt_int, rabbit_cluster
+from ferry.pipeline._nats import Wire
 from ferry.pipeline.schema import ARROW_SCHEMA, SPARK_DDL, BatchBuilder
 from ferry.publish import Pacer, Publisher
 from ferry.topology import RabbitCluster
@@ -289,7 +289,8 @@ class _JetStreamSink(_Sink):
         self.spec, self.transfer_id = spec, transfer_id
 
     async def open(self) -> None:
-        self.nc = await bnats.connect(nats_cluster(self.spec["cluster"]), name=self.spec.get("name", ""))
+        self.nc = Wire(nats_cluster(self.spec["cluster"]), self.spec.get("name", ""), "ferry-data")
+        await self.nc.connect(timeout=30)
         self.pub = Publisher(self.nc, window=512, on_ack=self._on_ack)
         await self.pub.start()
 
