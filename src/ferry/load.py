@@ -37,9 +37,9 @@ from urllib.parse import unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError, UsageError
 from ferry.pipeline._amqp import raw_connect
+from ferry.pipeline._nats import Wire
 from ferry.publish import Ack, Pacer, Publisher
 from ferry.topology import Topology
 
@@ -284,12 +284,13 @@ class _NatsSender(_Sender):
         self.record, self.inflight = record, inflight
 
     async def open(self) -> None:
-        self.nc = await bnats.connect(
+        self.nc = Wire(
             self.topology.nats(self.cluster),
-            name=self.cluster,
-            client_name=f"ferry-load-{self.opts.run}",
+            self.cluster,
+            f"ferry-load-{self.opts.run}",
             urls=[self.opts.url] if self.opts.url else None,
         )
+        await self.nc.connect(timeout=5)
         if self.js:
             give_up = self.opts.give_up_after if self.opts.retry else self.opts.ack_timeout
             self.pub = Publisher(

@@ -9,12 +9,13 @@ matches acks, so this connection speaks the text protocol directly: one parse
 loop, synchronous callbacks, writes gathered into one send per event-loop pass.
 Control requests (stream info, consumer create/delete) stay on nats-py.
 
-It offers the part of nats-py's ``Client`` that :class:`ferry.publish.Publisher`
-and the jetstream reader use (``new_inbox``, ``subscribe`` with a *plain*
-callback, ``publish``, ``is_connected``, ``close``) and, like nats-py,
-reconnects to the next server of the cluster and subscribes again when its
-server goes away; what was in flight then is the caller's to retry (acks time
-out, pull requests are re-issued).
+It offers the part of nats-py's ``Client`` that :class:`ferry.publish.Publisher`,
+the jetstream reader and ``ferry load`` use (``new_inbox``, ``subscribe`` with a
+*plain* callback, ``publish``, ``flush``, ``is_connected``, ``close``) and, like
+nats-py, reconnects to the next server and subscribes again when its server
+goes away, holding what is published meanwhile (up to 8 MB) until it is
+connected again; what was in flight is the caller's to retry (acks time out,
+pull requests are re-issued).
 
 Supported: user and password (the topology's only credentials), headers,
 no-responders status messages, server PINGs. Not supported: TLS (refused
@@ -28,6 +29,7 @@ import contextlib
 import json
 import random
 import secrets
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,17 +90,23 @@ class Wire:
 
     sync_callbacks = True  # subscribe() takes plain functions, not coroutines
 
-    def __init__(self, cluster: NatsCluster, name: str, client_name: str) -> None:
+    HOLD_LIMIT = 8_000_000  # bytes of publishes kept while reconnecting (nats-py keeps 2 MB)
+
+    def __init__(self, cluster: NatsCluster, name: str, client_name: str, urls: list[str] | None = None) -> None:
         self.cluster, self.name, self.client_name = cluster, name, client_name
+        self.urls = urls or cluster.urls  # e.g. a load balancer's address instead of the servers'
         self._subs: dict[int, _Sub] = {}
         self._next_sid = 0
         self._out: list[bytes] = []
+        self._held: list[bytes] = []  # published while disconnected, sent after the reconnect
+        self._held_size = 0
+        self._pongs: deque[asyncio.Future[None]] = deque()
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._closed = False
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
-        self._server = random.randrange(len(cluster.brokers))  # spread tasks over the servers, as nats-py does
+        self._server = random.randrange(len(self.urls))  # spread tasks over the servers, as nats-py does
 
     # -- the nats-py subset ------------------------------------------------------------
 
@@ -125,16 +133,33 @@ class Wire:
             await self._writer.drain()
 
     def publish_raw(self, subject: bytes, reply: bytes, header: bytes, payload: bytes) -> None:
-        """Queue one message (header: an encoded block, or b"")."""
-        if not self.is_connected:
-            raise BrokerUnavailable(f"{self.name}: not connected")
+        """Queue one message (header: an encoded block, or b""); while reconnecting, hold it (up to
+        HOLD_LIMIT bytes, then refuse it) and send it once connected again, as nats-py does."""
         if header:
-            self._write(
-                b"HPUB %s %s %d %d\r\n%s%s\r\n"
-                % (subject, reply, len(header), len(header) + len(payload), header, payload)
+            data = b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+                subject,
+                reply,
+                len(header),
+                len(header) + len(payload),
+                header,
+                payload,
             )
         else:
-            self._write(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload))
+            data = b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload)
+        if self.is_connected:
+            self._write(data)
+        elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
+            raise BrokerUnavailable(f"{self.name}: not connected ({'closed' if self._closed else 'buffer full'})")
+        else:
+            self._held.append(data)
+            self._held_size += len(data)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Wait until the server has read everything sent so far (a PING answered)."""
+        pong = asyncio.get_running_loop().create_future()
+        self._pongs.append(pong)
+        self._write(b"PING\r\n")
+        await asyncio.wait_for(pong, timeout)
 
     async def close(self) -> None:
         self._closed = True
@@ -158,7 +183,7 @@ class Wire:
         except TimeoutError:
             await self.close()
             raise BrokerUnavailable(
-                f"cluster {self.name!r}: no server answered at {', '.join(self.cluster.urls)} within {timeout:.0f}s"
+                f"cluster {self.name!r}: no server answered at {', '.join(self.urls)} within {timeout:.0f}s"
             ) from None
         except BaseException:
             await self.close()
@@ -167,7 +192,7 @@ class Wire:
     async def _run(self, first: asyncio.Future[None]) -> None:
         """Connect, read until the connection drops, reconnect to the next server; forever."""
         while not self._closed:
-            url = self.cluster.brokers[self._server % len(self.cluster.brokers)].url
+            url = self.urls[self._server % len(self.urls)]
             self._server += 1
             try:
                 reader, writer = await asyncio.wait_for(self._handshake(url), 2.0)
@@ -176,11 +201,14 @@ class Wire:
                     first.set_exception(exc)
                 return
             except (OSError, TimeoutError, BrokerUnavailable, ValueError):
-                await asyncio.sleep(0.25 if self._server % len(self.cluster.brokers) == 0 else 0)
+                await asyncio.sleep(0.25 if self._server % len(self.urls) == 0 else 0)
                 continue
             self._writer = writer
             for sub in self._subs.values():  # again after a reconnect
                 self._write(b"SUB %s %d\r\n" % (sub.subject.encode(), sub.sid))
+            self._out += self._held
+            self._held.clear()
+            self._held_size = 0
             self._connected.set()
             if not first.done():
                 first.set_result(None)
@@ -188,6 +216,8 @@ class Wire:
                 await self._read_loop(reader)
             self._connected.clear()
             self._out.clear()
+            while self._pongs:
+                self._pongs.popleft().cancel()
             with contextlib.suppress(Exception):
                 writer.close()
 
@@ -282,6 +312,10 @@ class Wire:
                 pos = eol + 2
                 if line == b"PING":
                     self._write(b"PONG\r\n")
+                elif line == b"PONG" and self._pongs:
+                    pong = self._pongs.popleft()
+                    if not pong.done():  # else its flush timed out
+                        pong.set_result(None)
                 elif line.startswith(b"-ERR"):
                     text = line[4:].strip().strip(b"'").decode().lower()
                     if not text.startswith("permissions violation"):
