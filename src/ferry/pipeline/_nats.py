@@ -39,9 +39,6 @@ from ferry.topology import NatsCluster
 
 __all__ = ["Msg", "Wire", "encode_headers", "parse_headers", "wire"]
 
-_HDR_LINE = b"NATS/1.0"
-
-
 class Msg:
     """A delivered message; the attributes nats-py's ``Msg`` has that ferry reads."""
 
