@@ -27,10 +27,11 @@ from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from ferry.brokers import nats as bnats
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.ops import rebalance as rb
-from ferry.ops.journal import owner_alive
-from ferry.ops.nodes import open_nodes
+from ferry.ops.journal import Journal, ParamJournal, owner_alive
+from ferry.ops.nodes import CONTROL, open_nodes
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
@@ -53,17 +54,23 @@ class Registry:
         watch: nats-py's ordered consumer can stall for good when the server holding it dies."""
         while True:
             try:
-                async with open_nodes(name, cluster, avoid=[]) as nodes:
-                    journal = nodes.journal("")
-                    await journal.open()
-                    while True:
-                        self.states[name] = await rb.journaled(journal, name)
-                        await asyncio.sleep(0.5)
+                if isinstance(cluster, NatsCluster):  # reading needs no system account
+                    async with bnats.session(cluster, name=name, client_name=f"{CONTROL}-serve") as nc:
+                        await self._poll(name, Journal(nc, "", replicas=min(3, len(cluster.brokers))))
+                else:
+                    async with open_nodes(name, cluster, avoid=[]) as nodes:
+                        await self._poll(name, nodes.journal(""))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the last known states; try again
                 log.warning("reading %s's journal: %s", name, exc)
                 await asyncio.sleep(1.0)
+
+    async def _poll(self, name: str, journal: Journal | ParamJournal) -> None:
+        await journal.open()
+        while True:
+            self.states[name] = await rb.journaled(journal, name)
+            await asyncio.sleep(0.5)
 
     async def adopt(self) -> None:
         """Drive every journaled operation whose driver is gone."""

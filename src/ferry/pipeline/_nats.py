@@ -39,6 +39,7 @@ from ferry.topology import NatsCluster
 
 __all__ = ["Msg", "Wire", "encode_headers", "parse_headers", "wire"]
 
+
 class Msg:
     """A delivered message; the attributes nats-py's ``Msg`` has that ferry reads."""
 
