@@ -284,13 +284,13 @@ class _NatsSender(_Sender):
         self.record, self.inflight = record, inflight
 
     async def open(self) -> None:
-        self.nc = Wire(
+        self.nc = await Wire.open(
             self.topology.nats(self.cluster),
             self.cluster,
             f"ferry-load-{self.opts.run}",
             urls=[self.opts.url] if self.opts.url else None,
+            timeout=5,
         )
-        await self.nc.connect(timeout=5)
         if self.js:
             give_up = self.opts.give_up_after if self.opts.retry else self.opts.ack_timeout
             self.pub = Publisher(

@@ -106,6 +106,20 @@ class Wire:
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self._server = random.randrange(len(self.urls))  # spread tasks over the servers, as nats-py does
 
+    @classmethod
+    async def open(
+        cls,
+        cluster: NatsCluster,
+        name: str = "",
+        client_name: str = "ferry-data",
+        urls: list[str] | None = None,
+        timeout: float = 30.0,
+    ) -> Wire:
+        """A connected Wire (close it when done)."""
+        w = cls(cluster, name or "nats", client_name, urls)
+        await w.connect(timeout)
+        return w
+
     # -- the nats-py subset ------------------------------------------------------------
 
     @property
@@ -326,8 +340,7 @@ async def wire(
     cluster: NatsCluster, name: str = "", client_name: str = "ferry-data", timeout: float = 30.0
 ) -> AsyncIterator[Wire]:
     """A connected :class:`Wire` to `cluster`, closed on exit."""
-    w = Wire(cluster, name or "nats", client_name)
-    await w.connect(timeout)
+    w = await Wire.open(cluster, name, client_name, timeout=timeout)
     try:
         yield w
     finally:

@@ -289,8 +289,7 @@ class _JetStreamSink(_Sink):
         self.spec, self.transfer_id = spec, transfer_id
 
     async def open(self) -> None:
-        self.nc = Wire(nats_cluster(self.spec["cluster"]), self.spec.get("name", ""), "ferry-data")
-        await self.nc.connect(timeout=30)
+        self.nc = await Wire.open(nats_cluster(self.spec["cluster"]), self.spec.get("name", ""))
         self.pub = Publisher(self.nc, window=512, on_ack=self._on_ack)
         await self.pub.start()
 
