@@ -164,7 +164,7 @@ def test_move_under_core_and_jetstream_load_loses_nothing(
             return code, result, last
 
     code, result, last = asyncio.run(scenario())
-    assert code == 0, result
+    assert code == 0, json.dumps(result)  # the whole result: pytest would cut a dict short
     assert result["outcome"] == "moved" and result["verify"]["ok"], result
     assert result["cluster"] == "west" and all(p.startswith("west-") for p in result["peers"])
     assert result["reinjected"] + result["already_stored"] == result["missed"]
@@ -399,7 +399,7 @@ def test_streams_glob_moves_each_match_with_concurrency(supercluster: lab.LabSta
     for name in ("GLOB_1", "GLOB_2", "OTHER_1"):
         asyncio.run(make_stream(topo, "east", name, [f"{name.lower()}.>"], placement="east"))
     code, results, events = move(topology, "--streams", "GLOB_*", "--to", "west", "--concurrency", "2")
-    assert code == 0, results
+    assert code == 0, json.dumps(results)
     assert sorted(r["stream"] for r in results) == ["GLOB_1", "GLOB_2"]
     assert all(r["outcome"] == "moved" and r["cluster"] == "west" for r in results)
     assert {e.get("stream") for e in events if e["event"] == "plan"} == {"GLOB_1", "GLOB_2"}

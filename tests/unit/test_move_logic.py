@@ -100,6 +100,10 @@ def test_verify_names_each_problem() -> None:
     assert any("ack floor went back" in p for p in problems)
     assert any("points past" in p for p in problems)
     assert verify(pre, {**post, "consumers": {}}) == ["consumer C is gone"]
+    # under load the consumers are read after the stream: the stream's later last_seq is the bound
+    ahead = {"C": {**consumer, "delivered": 160}}
+    assert verify(pre, {**post, "consumers": ahead, "last_seq_after_consumers": 165}) == []
+    assert any("points past" in p for p in verify(pre, {**post, "consumers": ahead, "last_seq_after_consumers": 155}))
 
 
 def test_destination_refusal_counts_only_healthy_servers() -> None:
