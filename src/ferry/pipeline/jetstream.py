@@ -355,7 +355,7 @@ async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any,
             try:
                 while not done:
                     try:
-                        msgs = await puller.pull(part.fetch)
+                        msgs = await puller.pull(min(part.fetch, part.hi - next_seq + 1))
                     except TimeoutError:
                         if time.monotonic() > deadline:
                             raise FerryError(f"jetstream: {source} stopped answering at seq {next_seq}") from None
