@@ -272,7 +272,7 @@ def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, i
 
     Spark writes its offset and commit logs asynchronously (``asyncProgressTrackingEnabled``,
     which the noop sink supports): written in line they took about 125 ms of every micro-batch
-    and were the lag's floor (p99 1.08 s at 10,000 msg/s, 0.26 s without them). Async logs may
+    and were the lag's floor (p99 1.08 s at 10,000 msg/s, 0.27 s without them). Async logs may
     lag the data after a crash, which costs nothing here: a relay never restarts from them."""
     cfg = _write_cfg(topo, rep)
     relay_to = {
