@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -124,3 +125,39 @@ def test_ts_ns_parses_jetstream_times() -> None:
     assert _ts_ns("1970-01-01T00:00:01.5Z") == 1_500_000_000
     assert _ts_ns("2026-11-21T10:00:00.123456789Z") % 1_000_000_000 == 123_456_789
     assert _ts_ns("") == 0
+
+
+def test_paged_fetches_what_a_cluster_list_names_missing(monkeypatch) -> None:
+    """A clustered STREAM.LIST leaves out streams whose leader was late and names them `missing`:
+    they are fetched one by one, counted in the offset, and never silently dropped."""
+    import asyncio
+
+    from ferry.ops import move
+
+    pages = {
+        0: {"total": 4, "streams": [{"config": {"name": "A"}}], "missing": ["B"]},
+        2: {"total": 4, "streams": [{"config": {"name": "C"}}, {"config": {"name": "D"}}], "missing": ["D"]},
+    }
+    asked = []
+
+    async def api(nc, subject, payload=None, timeout=5.0):
+        asked.append(payload["offset"])
+        return pages[payload["offset"]]
+
+    async def info(name):
+        return {"config": {"name": name}, "fetched": True}
+
+    async def collect(info):
+        return [i async for i in move.paged(None, "$JS.API.STREAM.LIST", "streams", info)]
+
+    monkeypatch.setattr(move, "api", api)
+    got = asyncio.run(collect(info))
+    assert [(i["config"]["name"], "fetched" in i) for i in got] == [
+        ("A", False),
+        ("B", True),
+        ("C", False),
+        ("D", False),
+    ]
+    assert asked == [0, 2]
+    with pytest.raises(move.FerryError, match="no answer about B"):
+        asyncio.run(collect(None))

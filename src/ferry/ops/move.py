@@ -46,7 +46,7 @@ import time
 import uuid
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -226,21 +226,36 @@ def _in(info: dict, names: set[str]) -> bool:
     )
 
 
-async def paged(nc: Client, subject: str, key: str) -> AsyncIterator[Any]:
-    """Every item of a paged JetStream list API (``offset`` / ``total``)."""
+async def paged(
+    nc: Client, subject: str, key: str, info: Callable[[str], Awaitable[Any]] | None = None
+) -> AsyncIterator[Any]:
+    """Every item of a paged JetStream list API (``offset`` / ``total``).
+
+    In a cluster, a list leaves out the streams or consumers whose leader did not answer within
+    4 s (a leader just elected, a busy server) and names them under ``missing``; `info` fetches
+    each of those on its own, so a caller never mistakes a late item for an absent one."""
     offset = 0
     while True:
         page = await api(nc, subject, {"offset": offset})
         items = page.get(key) or []
         for item in items:
             yield item
-        offset += len(items)
-        if not items or offset >= page.get("total", 0):
+        listed = {i.get("name") or i["config"]["name"] for i in items if isinstance(i, dict)}
+        late = [n for n in page.get("missing") or [] if n not in listed]
+        if late and info is None:
+            raise FerryError(f"{subject}: no answer about {', '.join(late)}")
+        for name in late:
+            yield await info(name)  # type: ignore[misc]
+        offset += len(items) + len(late)
+        if not (items or late) or offset >= page.get("total", 0):
             return
 
 
 async def consumers(nc: Client, stream: str) -> dict[str, dict]:
-    return {c["name"]: c async for c in paged(nc, f"$JS.API.CONSUMER.LIST.{stream}", "consumers")}
+    def info(name: str) -> Awaitable[dict]:
+        return api(nc, f"$JS.API.CONSUMER.INFO.{stream}.{name}", timeout=10)
+
+    return {c["name"]: c async for c in paged(nc, f"$JS.API.CONSUMER.LIST.{stream}", "consumers", info)}
 
 
 async def snapshot(nc: Client, stream: str) -> dict:

@@ -370,7 +370,7 @@ async def _last_seq(nc: Client, stream: str) -> int:
 async def list_streams(nc: Client) -> dict[str, dict[str, Any]]:
     """name -> {config, cluster, messages} of every stream in the account."""
     out = {}
-    async for info in mv.paged(nc, "$JS.API.STREAM.LIST", "streams"):
+    async for info in mv.paged(nc, "$JS.API.STREAM.LIST", "streams", lambda n: mv.stream_info(nc, n, timeout=10)):
         out[info["config"]["name"]] = {
             "config": info["config"],
             "cluster": (info.get("cluster") or {}).get("name"),

@@ -43,6 +43,7 @@ from typing import Any
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError
 from ferry.ops.journal import Journal
+from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
 from ferry.publish import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
@@ -109,7 +110,7 @@ def _check(topo: Topology, rep: Replication) -> None:
 
 async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
     async with bnats.session(cluster, name=CONTROL) as nc:
-        names = [s.config.name for s in await nc.jsm().streams_info()]
+        names = [n async for n in paged(nc, "$JS.API.STREAM.NAMES", "streams")]
     found = sorted(n for n in names if fnmatch.fnmatchcase(n, glob) and not n.startswith("KV_"))
     if not found:
         raise NotFound(f"no stream at {site} matches {glob!r}")
