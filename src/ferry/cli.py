@@ -27,6 +27,11 @@ from rich.table import Table
 
 from ferry.errors import FerryError
 
+try:  # typer vendors click since 0.2x; its errors are what a bad command line raises
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError
+
 _plain = {"rich_markup_mode": None}  # usage errors as plain "Error: ..." lines, not boxes
 app = typer.Typer(
     **_plain,
@@ -1538,7 +1543,16 @@ def main() -> None:
     for name in ("aiormq", "aio_pika", "nats", "py4j", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        app()  # typer reports usage errors itself (exit 2)
+        code = app(standalone_mode=False)  # usage errors come here, to be reported on one line
+    except NoArgsIsHelpError as exc:
+        err.print(exc.format_message(), highlight=False, markup=False)
+        sys.exit(2)
+    except ClickException as exc:  # bad usage: one line, exit 2
+        err.print(f"[red]error:[/] {escape(exc.format_message())}", highlight=False)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("interrupted")
+        sys.exit(130)
     except FerryError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
@@ -1553,6 +1567,7 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)  # a typer.Exit's code, else success
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import pytest
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect
+from ferry.errors import BrokerUnavailable
 from ferry.ops.nodes import RELOCATE_PREFIX, Asset
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, ferry, ferry_killed_when, judge, make_stream, wait_for
@@ -691,3 +692,140 @@ async def test_evacuation_survives_a_restart_of_its_node(supercluster: lab.LabSt
             victim.start()
             supercluster.save()
         await asyncio.to_thread(wait_for, lambda: supercluster.health().get("east-3") == "ok", 60, "east-3 healthy")
+
+
+EV_STREAMS = ("EV_R1", "EV_R2", "EV_R3")
+
+
+async def _js(nc: Any, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    r = await bnats.sys_request(nc, subject, body or b"", timeout=10)
+    assert not r.get("error"), (subject, r)
+    return r
+
+
+async def _until(nc: Any, stream: str, cond: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    """The stream's info once cond(info) holds (60 s at most; no answer while it elects a leader)."""
+    deadline, info = time.monotonic() + 60, {}
+    while True:
+        with contextlib.suppress(BrokerUnavailable):
+            info = await _js(nc, f"$JS.API.STREAM.INFO.{stream}")
+            if cond(info):
+                return info
+        assert time.monotonic() < deadline, f"{stream}: {what}: {info.get('cluster')}"
+        await asyncio.sleep(0.2)
+
+
+def _peers(info: dict[str, Any]) -> set[str]:
+    cl = info.get("cluster") or {}
+    return ({cl.get("leader", "")} | {r["name"] for r in cl.get("replicas") or []}) - {""}
+
+
+def _settled(info: dict[str, Any], n: int) -> bool:
+    cl = info.get("cluster") or {}
+    return bool(cl.get("leader")) and len(_peers(info)) == n and all(r.get("current") for r in cl.get("replicas") or [])
+
+
+async def _lead(nc: Any, stream: str, node: str) -> None:
+    info = await _js(nc, f"$JS.API.STREAM.INFO.{stream}")
+    if info["cluster"].get("leader") != node:
+        await _js(nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", {"placement": {"preferred": node}})
+    await _until(nc, stream, lambda i: i["cluster"].get("leader") == node, f"leader {node}")
+
+
+async def _streams_held_by_one_node(topo: Any) -> str:
+    """EV_R1 (R1, 50,000 messages of 1 kB, a durable consumer with 100 acked) wherever the cluster
+    puts it; on that node also a follower of EV_R2 (R2) and the leader of EV_R3 (R3). The node."""
+    async with bnats.session(topo.nats("east")) as nc:
+        for name in EV_STREAMS:
+            with contextlib.suppress(AssertionError):
+                await _js(nc, f"$JS.API.STREAM.DELETE.{name}")
+            n = 50_000 if name == "EV_R1" else 100
+            cfg = {"name": name, "subjects": [f"{name.lower()}.>"], "num_replicas": 1 if name == "EV_R1" else 3}
+            await _js(nc, f"$JS.API.STREAM.CREATE.{name}", {**cfg, "placement": {"cluster": "east"}})
+            info = await _until(nc, name, lambda i, r=cfg["num_replicas"]: _settled(i, r), "settled")
+            for i in range(n):
+                await nc.publish(f"{name.lower()}.{i % 7}", b"x" * 1000)
+            await nc.flush()
+            await _until(nc, name, lambda i, n=n: i["state"]["messages"] == n, "fill")
+        node = (await _js(nc, "$JS.API.STREAM.INFO.EV_R1"))["cluster"]["leader"]
+        await _js(
+            nc,
+            "$JS.API.CONSUMER.DURABLE.CREATE.EV_R1.C",
+            {"stream_name": "EV_R1", "config": {"durable_name": "C", "ack_policy": "explicit"}},
+        )
+        sub = await nc.jetstream().pull_subscribe_bind("C", "EV_R1")
+        acked = 0
+        for _ in range(50):  # the new consumer answers once its leader is elected
+            with contextlib.suppress(nats.errors.Error):
+                for m in await sub.fetch(100 - acked, timeout=2):
+                    await m.ack_sync()
+                    acked += 1
+            if acked == 100:
+                break
+            await asyncio.sleep(0.2)
+        assert acked == 100
+        # EV_R2: R3 led by the node, scaled down to two (a scale-down keeps the leader), then led by the other
+        await _lead(nc, "EV_R2", node)
+        cfg2 = (await _js(nc, "$JS.API.STREAM.INFO.EV_R2"))["config"]
+        await _js(nc, "$JS.API.STREAM.UPDATE.EV_R2", {**cfg2, "num_replicas": 2})
+        info = await _until(nc, "EV_R2", lambda i: _settled(i, 2), "two current replicas")
+        assert node in _peers(info), info["cluster"]
+        await _lead(nc, "EV_R2", next(p for p in _peers(info) if p != node))
+        await _lead(nc, "EV_R3", node)
+        return node
+
+
+def test_evacuation_moves_one_replica_streams_and_replicas_with_their_messages(
+    supercluster: lab.LabState,
+) -> None:
+    """A node holds an R1 stream, a follower of an R2 stream and the leader of an R3 stream. It is
+    evacuated with --migrate-to another node. Afterwards the node's own jsz shows no leader and no
+    R1/R2 copy there; the R1 stream is R1 again with every message and its consumer's ack floor;
+    the R2 stream has two replicas elsewhere; the R3 leader is where --migrate-to said, in that
+    server's own jsz (its replica stays: no spare server)."""
+    topology = supercluster.path / "topology.yaml"
+    topo = profile_topology(supercluster)
+    node = asyncio.run(_streams_held_by_one_node(topo))
+    to = next(n for n in NODES if n != node)
+    monitor = {b.name: b.monitor_url for b in topo.nats("east").brokers}
+
+    def jsz(server: str) -> dict[str, dict[str, Any]]:
+        got = asyncio.run(bnats.monitor_get(monitor[server], "jsz", accounts="true", streams="true"))
+        return {s["name"]: s for acc in got.get("account_details") or [] for s in acc.get("stream_detail") or []}
+
+    async def info(stream: str) -> dict[str, Any]:
+        async with bnats.session(topo.nats("east")) as nc:
+            return await _js(nc, f"$JS.API.STREAM.INFO.{stream}")
+
+    try:
+        args = ["node", "evacuate", node, "--wait-health-check", "0", "--wait-takeover", "0", "--migrate-to", to]
+        result = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+        assert result["outcome"] == "evacuated" and result["evicted"]["replicas"] >= 2, result
+        held = jsz(node)
+        assert set(held) & set(EV_STREAMS) == {"EV_R3"}, sorted(held)  # only the R3 replica it cannot give away
+        assert not [n for n, s in held.items() if (s.get("cluster") or {}).get("leader") == node]  # and leads nothing
+        assert (jsz(to)["EV_R3"].get("cluster") or {}).get("leader") == to
+        r1, r2, r3 = (asyncio.run(info(s)) for s in EV_STREAMS)
+        assert r1["config"]["num_replicas"] == 1 and node not in _peers(r1), r1["cluster"]
+        assert r1["state"]["messages"] == 50_000 and r1["state"]["last_seq"] == 50_000, r1["state"]
+        consumer = asyncio.run(_consumer_info(topo, "EV_R1", "C"))
+        assert consumer["ack_floor"]["stream_seq"] == 100, consumer["ack_floor"]
+        assert node not in _peers(consumer), consumer["cluster"]  # the consumer went with its stream
+        assert len(_peers(r2)) == 2 and node not in _peers(r2) and r2["state"]["messages"] == 100
+        assert r3["cluster"]["leader"] == to, r3["cluster"]
+        assert any(k.endswith("/EV_R3") for k in result.get("kept", [])), result
+    finally:
+        ferry("node", "stop", node, topology=topology)
+
+        async def drop() -> None:
+            async with bnats.session(topo.nats("east")) as nc:
+                for name in EV_STREAMS:
+                    with contextlib.suppress(AssertionError):
+                        await _js(nc, f"$JS.API.STREAM.DELETE.{name}")
+
+        asyncio.run(drop())
+
+
+async def _consumer_info(topo: Any, stream: str, name: str) -> dict[str, Any]:
+    async with bnats.session(topo.nats("east")) as nc:
+        return await _js(nc, f"$JS.API.CONSUMER.INFO.{stream}.{name}")

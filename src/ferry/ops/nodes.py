@@ -8,7 +8,8 @@ and switch a node's intake off and on again.
 
 - **NATS**: connz and jsz on each server's monitoring port; connections closed with
   the system account's ``$SYS.REQ.SERVER.<id>.KICK``; leaders step down with
-  ``placement.preferred``; replicas move with a peer-remove. The journal is the
+  ``placement.preferred``; replicas move with a peer-remove, and a one-replica stream by a
+  scale-up to two, a step-down and a scale back to one. The journal is the
   cluster's ``ferry_ops`` KV bucket.
 - **RabbitMQ**: connections and queues from the management API; connections closed
   with ``DELETE /api/connections/<name>`` and an ``X-Reason``; quorum queue leaders
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
@@ -248,6 +250,104 @@ class NatsNodes(_Nodes):
             return str(exc)
         return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
 
+    def single(self, a: Asset, node: str) -> bool:
+        """A one-replica stream on `node` (in an account ferry can manage)."""
+        return a.consumer is None and a.account == self.account and a.peers == [node]
+
+    async def move_single(self, a: Asset, node: str, catch_up_s: float = 120.0) -> tuple[str, bool]:
+        """Move a one-replica stream off `node` without a moment where its only copy is gone: it is
+        scaled to two replicas (the server adds one elsewhere, which catches up from `node`), the
+        new replica takes the lead once it holds everything, and the stream is scaled back to one
+        (a scale-down keeps the leader). Repeating it after an interruption finishes the job.
+
+        ('' or the error, whether to try again later): a scale-up refused for good (the stream's
+        placement allows no other server) changed nothing and is not tried again."""
+        assert self.nc
+        nc, api = self.nc, f"$JS.API.STREAM.%s.{a.stream}"
+        clock = asyncio.get_running_loop().time
+        deadline, asked = clock() + catch_up_s, -10.0
+        try:
+            info = await _js(nc, api % "INFO")
+            cfg, leader = info["config"], (info.get("cluster") or {}).get("leader") or ""
+            done = cfg["num_replicas"] == 1 and leader not in ("", node)  # an earlier run finished it
+            if cfg["num_replicas"] == 1 and not done:
+                try:
+                    await _js(nc, api % "UPDATE", {**cfg, "num_replicas": 2})
+                except FerryError as exc:
+                    return str(exc), "move already in progress" in str(exc)  # else e.g. placement allows no other
+            while not done:  # until a replica away from `node` holds everything, and leads
+                cl = (await _js(nc, api % "INFO")).get("cluster") or {}
+                leader = cl.get("leader") or ""
+                away = [p for p in [leader, *(r["name"] for r in cl.get("replicas") or [])] if p not in ("", node)]
+                if away and await self._holds_all(a, away[0], node):
+                    if leader == away[0]:
+                        break
+                    if clock() - asked > 3 and await self.step_down(a, away[0]) == "":
+                        asked = clock()  # the election takes a moment: ask again only if it did not happen
+                if clock() > deadline:
+                    return f"no replica away from {node} caught up within {catch_up_s:.0f}s", True
+                await asyncio.sleep(0.25)
+            if not done:
+                await _js(nc, api % "UPDATE", {**cfg, "num_replicas": 1})
+            while await self._copy(a, node) is not None:  # `node` drops its copy a moment after the scale-down
+                if clock() > deadline:
+                    return f"{node} still holds a copy after the scale-down", True
+                await asyncio.sleep(0.25)
+        except (FerryError, httpx.HTTPError) as exc:
+            return str(exc), True
+        return "", True
+
+    async def _holds_all(self, a: Asset, server: str, origin: str) -> bool:
+        """`server`'s copy of a's stream is complete: the server's own health check of the stream
+        passes (no catch-up under way) and, in its own jsz, it stores at least the last sequence
+        `origin` stored a moment before, and each durable consumer's delivered and ack floor are
+        at least origin's. (A Raft peer reported "current" may still be fetching the stream's
+        messages, which travel outside the Raft log, and a consumer follower starts at 0.)"""
+        try:
+            before = await self._copy(a, origin)
+            await bnats.monitor_get(
+                self.brokers[server].monitor_url, "healthz", timeout=3, account=a.account, stream=a.stream
+            )
+            there = await self._copy(a, server)
+        except (FerryError, httpx.HTTPError):
+            return False
+        return (
+            before is not None
+            and there is not None
+            and there["last_seq"] >= before["last_seq"]
+            and all(
+                there_pos >= pos
+                for c, positions in before["consumers"].items()
+                for there_pos, pos in zip(there["consumers"].get(c, (-1, -1)), positions, strict=True)
+            )
+        )
+
+    async def _copy(self, a: Asset, server: str) -> dict[str, Any] | None:
+        """`server`'s own copy of a's stream (its jsz): last sequence and, per durable consumer,
+        (delivered, ack floor) stream sequences; None when it holds none."""
+        jsz = await bnats.monitor_get(
+            self.brokers[server].monitor_url,
+            "jsz",
+            timeout=3,
+            acc=a.account,
+            accounts="true",
+            streams="true",
+            consumers="true",
+            config="true",
+        )
+        for acc in jsz.get("account_details") or []:
+            for s in acc.get("stream_detail") or []:
+                if acc["name"] == a.account and s["name"] == a.stream:
+                    return {
+                        "last_seq": int(s["state"]["last_seq"]),
+                        "consumers": {
+                            c["name"]: (c["delivered"]["stream_seq"], c["ack_floor"]["stream_seq"])
+                            for c in s.get("consumer_detail") or []
+                            if (c.get("config") or {}).get("durable_name")
+                        },
+                    }
+        return None
+
     async def peer_remove(self, a: Asset, node: str) -> str:
         assert self.nc
         try:
@@ -255,6 +355,14 @@ class NatsNodes(_Nodes):
         except BrokerUnavailable as exc:
             return str(exc)
         return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+
+async def _js(nc: Client, subject: str, body: dict | None = None) -> dict[str, Any]:
+    """A JetStream API request; its error raised as a FerryError."""
+    r = await bnats.sys_request(nc, subject, body or b"", timeout=5)
+    if r.get("error"):
+        raise FerryError(f"{subject}: {r['error'].get('description', r['error'])}")
+    return r
 
 
 class RabbitNodes(_Nodes):

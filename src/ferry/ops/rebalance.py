@@ -36,14 +36,17 @@ and are never evicted.
 
 Limits: NATS has no server redirection (MQTT 3.1.1, NATS protocol), so where
 clients reconnect is the balancer's choice; ``--migrate-to`` steers JetStream
-leaders only. Leaders in accounts the topology has no credentials for are
-reported as kept, as are R1 streams and replicas with no spare server.
+leaders only (a replica or an R1 stream moved off the node goes where the cluster
+places it). Leaders in accounts the topology has no credentials for are reported as
+kept, as are replicas with no spare server (an R3 stream on 3 servers). An R1 stream
+moves with a scale-up and back, see ``NatsNodes.move_single``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Coroutine
@@ -455,10 +458,20 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
     v = await nodes.view(node)
     if not v.up:
         return False  # the node restarted: wait for it, its leaders may come back
-    views = await nodes.views(st["recipients"])
+    views = await nodes.views([n for n in nodes.brokers if n != node])
     load = {n: len(x.leaders) for n, x in views.items()}
-    moved, kept = await d.evict_leaders(v, pacer, st["recipients"], load)
-    spare = [n for n, x in views.items() if x.up]
+    scaled = set(st.get("scaled", []))  # one-replica streams being moved (see NatsNodes.move_single)
+    # their leaders (stream and consumers) move only once the new replica holds everything
+    others = dataclasses.replace(v, assets=[a for a in v.assets if f"{a.account}/{a.stream}" not in scaled])
+    moved, kept = await d.evict_leaders(others, pacer, st["recipients"], load)
+    spare = [n for n, x in views.items() if x.up]  # replicas go where the cluster places them, not only recipients
+    singles = [
+        a
+        for a in v.assets
+        if isinstance(nodes, NatsNodes)
+        and spare
+        and (a.label in scaled or (nodes.single(a, node) and a.label not in st.get("unmovable", [])))
+    ]
     replicas = [
         a
         for a in v.assets
@@ -466,9 +479,23 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
         and a.consumer is None
         and a.leader != node
         and nodes.movable(a)
+        and a.label not in scaled
         and set(spare) - set(a.peers)
     ]
     removed = 0
+    for a in singles[: pacer.take(len(singles))]:
+        if not d.fresh(f"single:{a.label}"):
+            continue
+        await d.save(scaled=sorted(scaled | {a.label}))  # first: a ferry killed mid-way finishes it
+        err, retry = await d.while_saving(nodes.move_single(a, node))  # type: ignore[union-attr]
+        scaled = set(st["scaled"]) - ({a.label} if not err or not retry else set())
+        if err:
+            d.emit("warning", message=f"{a.label}: one-replica stream not moved: {err}")
+            if not retry:
+                st.setdefault("unmovable", []).append(a.label)
+        else:
+            removed += 1
+        await d.save(scaled=sorted(scaled))
     for a in replicas[: pacer.take(len(replicas))]:
         if not d.fresh(f"peer:{a.label}"):
             continue
@@ -484,8 +511,11 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
         st["evicted"]["sessions"] += moved
         st["evicted"]["replicas"] += removed
         d.emit("evicted", sessions=moved, replicas=removed, left=len(v.leaders) - moved)
-    pending = [a for a in v.leaders if nodes.movable(a) or a.kind == "classic"] + replicas
-    st["kept"] = kept + [a.label for a in v.assets if a.consumer is None and a.leader != node and a not in replicas]
+    pending = [a for a in v.leaders if nodes.movable(a) or a.kind == "classic"] + replicas + singles
+    moving = {a.label for a in singles}
+    st["kept"] = [k for k in kept if k not in moving] + [
+        a.label for a in v.assets if a.consumer is None and a.leader != node and a not in replicas + singles
+    ]
     return not pending
 
 

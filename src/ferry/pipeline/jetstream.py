@@ -278,8 +278,10 @@ class _Puller:
     callback that appends to a list and one event per request is several times
     faster. Each request asks for up to ``batch`` messages with ``no_wait``: the
     server sends what it has, then a status message (404/408) if it had fewer.
-    After a timeout the caller discards the puller (a late message would land in
-    the next request; readers also skip sequences they have already passed).
+
+    A request that times out part-way returns what came; the rest of it may still
+    arrive, and lands in the list the next :meth:`pull` returns (first, without a new
+    request while any is waiting), so no message the server sent is ever dropped.
     """
 
     def __init__(self, nc: Wire, stream: str, consumer: str) -> None:
@@ -287,7 +289,7 @@ class _Puller:
         self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self.inbox = nc.new_inbox()
         self.sub: Any = None
-        self.got: list[Any] = []
+        self.got: list[Any] = []  # received, not yet returned
         self.want = 0
         self.done = asyncio.Event()
 
@@ -303,16 +305,19 @@ class _Puller:
             self.done.set()
 
     async def pull(self, batch: int, timeout: float = 5.0) -> list[Any]:
-        self.got, self.want = [], batch
-        self.done.clear()
-        body = b'{"batch":%d,"no_wait":true}' % batch
-        await self.nc.publish(self.subject, body, reply=self.inbox)
-        try:
-            await asyncio.wait_for(self.done.wait(), timeout)
-        except TimeoutError:
-            if not self.got:
-                raise
-        return self.got
+        """The next messages in order: a late rest of the last request, else up to `batch` new ones
+        (an empty list when a status ends the request first; TimeoutError when nothing came)."""
+        if not self.got:
+            self.want = batch
+            self.done.clear()
+            await self.nc.publish(self.subject, b'{"batch":%d,"no_wait":true}' % batch, reply=self.inbox)
+            try:
+                await asyncio.wait_for(self.done.wait(), timeout)
+            except TimeoutError:
+                if not self.got:
+                    raise
+        got, self.got = self.got, []
+        return got
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,0 +1,45 @@
+"""The command line as a shell runs it: bad input is one line and exit 2; lab haproxy-config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from ferry.cli import app
+from tests.unit.test_topology import VALID
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["node", "evacuate", "east-1", "--conn-evict-rate", "-5"], "--conn-evict-rate"),
+        (["move", "S", "--to", "west", "--timeout", "soon"], "--timeout"),
+        (["node", "evacuate"], "Missing argument"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: str) -> None:
+    """The real entry point, not typer's test runner."""
+    r = subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    assert len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and not r.stdout
+
+
+def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
+        monkeypatch.setenv(var, "secret-" + var)
+    topo = tmp_path / "t.yaml"
+    topo.write_text(VALID)
+    result = CliRunner().invoke(
+        app, ["lab", "haproxy-config", "east", "--serve", "ferry:9000", "--topology", str(topo)]
+    )
+    assert result.exit_code == 0, result.output
+    cfg = result.output
+    assert "server east-1 127.0.0.1:4222 check addr 127.0.0.1 port 8222" in cfg
+    assert "http-check connect addr ferry port 9000" in cfg and "secret-" not in cfg
+    result = CliRunner().invoke(app, ["lab", "haproxy-config", "ltm", "--topology", str(topo)])
+    assert result.exit_code == 0 and "server ltm-1 127.0.0.1:5672" in result.output, result.output
