@@ -61,6 +61,7 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.ops.journal import Journal, ParamJournal
+from ferry.ops.move import api as js_api
 from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import NatsCluster, RabbitCluster
 
@@ -267,16 +268,16 @@ class NatsNodes(_Nodes):
         clock = asyncio.get_running_loop().time
         deadline, asked = clock() + catch_up_s, -10.0
         try:
-            info = await _js(nc, api % "INFO")
+            info = await js_api(nc, api % "INFO")
             cfg, leader = info["config"], (info.get("cluster") or {}).get("leader") or ""
             done = cfg["num_replicas"] == 1 and leader not in ("", node)  # an earlier run finished it
             if cfg["num_replicas"] == 1 and not done:
                 try:
-                    await _js(nc, api % "UPDATE", {**cfg, "num_replicas": 2})
+                    await js_api(nc, api % "UPDATE", {**cfg, "num_replicas": 2})
                 except FerryError as exc:
                     return str(exc), "move already in progress" in str(exc)  # else e.g. placement allows no other
             while not done:  # until a replica away from `node` holds everything, and leads
-                cl = (await _js(nc, api % "INFO")).get("cluster") or {}
+                cl = (await js_api(nc, api % "INFO")).get("cluster") or {}
                 leader = cl.get("leader") or ""
                 away = [p for p in [leader, *(r["name"] for r in cl.get("replicas") or [])] if p not in ("", node)]
                 if away and await self._holds_all(a, away[0], node):
@@ -288,7 +289,7 @@ class NatsNodes(_Nodes):
                     return f"no replica away from {node} caught up within {catch_up_s:.0f}s", True
                 await asyncio.sleep(0.25)
             if not done:
-                await _js(nc, api % "UPDATE", {**cfg, "num_replicas": 1})
+                await js_api(nc, api % "UPDATE", {**cfg, "num_replicas": 1})
             while await self._copy(a, node) is not None:  # `node` drops its copy a moment after the scale-down
                 if clock() > deadline:
                     return f"{node} still holds a copy after the scale-down", True
@@ -355,14 +356,6 @@ class NatsNodes(_Nodes):
         except BrokerUnavailable as exc:
             return str(exc)
         return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
-
-
-async def _js(nc: Client, subject: str, body: dict | None = None) -> dict[str, Any]:
-    """A JetStream API request; its error raised as a FerryError."""
-    r = await bnats.sys_request(nc, subject, body or b"", timeout=5)
-    if r.get("error"):
-        raise FerryError(f"{subject}: {r['error'].get('description', r['error'])}")
-    return r
 
 
 class RabbitNodes(_Nodes):
