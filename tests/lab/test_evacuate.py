@@ -25,6 +25,7 @@ import pytest
 
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.brokers.base import mqtt_probe
 from ferry.brokers.rabbitmq import Management, amqp_connect
 from ferry.errors import BrokerUnavailable
 from ferry.ops.nodes import RELOCATE_PREFIX, Asset
@@ -814,6 +815,11 @@ def test_evacuation_moves_one_replica_streams_and_replicas_with_their_messages(
         assert len(_peers(r2)) == 2 and node not in _peers(r2) and r2["state"]["messages"] == 100
         assert r3["cluster"]["leader"] == to, r3["cluster"]
         assert any(k.endswith("/EV_R3") for k in result.get("kept", [])), result
+        ferry("node", "stop", node, topology=topology, check=True)
+        east = topo.nats("east")  # back in service: every node takes an MQTT session again (CONNACK)
+        user, pw = east.credentials.user, east.credentials.password()  # type: ignore[union-attr]
+        for b in east.brokers:
+            asyncio.run(mqtt_probe(b.mqtt_url, user, pw, timeout=60))  # type: ignore[arg-type]
     finally:
         ferry("node", "stop", node, topology=topology)
 
