@@ -28,6 +28,7 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.base import mqtt_probe
 from ferry.brokers.rabbitmq import Management, amqp_connect
 from ferry.errors import BrokerUnavailable
+from ferry.ops import move as mv
 from ferry.ops.nodes import RELOCATE_PREFIX, Asset
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, ferry, ferry_killed_when, judge, make_stream, wait_for
@@ -718,8 +719,7 @@ async def _until(nc: Any, stream: str, cond: Callable[[dict[str, Any]], bool], w
 
 
 def _peers(info: dict[str, Any]) -> set[str]:
-    cl = info.get("cluster") or {}
-    return ({cl.get("leader", "")} | {r["name"] for r in cl.get("replicas") or []}) - {""}
+    return {p["name"] for p in mv.peers(info)}
 
 
 def _settled(info: dict[str, Any], n: int) -> bool:
