@@ -611,7 +611,7 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
     clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]
     try:
         await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 30, "40 connections listed on rabbits-1")
-        args = ["cluster", "rebalance", "rabbits", "--abs-conn-threshold", "5", "--abs-sess-threshold", "1"]
+        args = ["cluster", "rebalance", "rabbits", "--abs-conn-threshold", "5", "--abs-sess-threshold", "2"]
         args += ["--wait-health-check", "1", "--wait-takeover", "0", "--conn-evict-rate", "20", "--json"]
         dry = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
         assert dry["outcome"] == "dry-run" and dry["donors"] == [first.name], dry

@@ -672,8 +672,17 @@ async def _rebalance_steps(d: _Driver) -> str:
         if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
             outcome = "balanced as far as possible (the donors' other leaders cannot move)"
             break
-        for dn in over:
-            excess = max(1, math.ceil(counts[dn] - level))  # moving to `goal` would overshoot
+        # leaders go where ferry sends them: never past the level (rounded up) on the recipients, or two
+        # donors giving in one tick overfill them (6,1,4 became 3,5,3); clients reconnect where they like
+        room = math.inf if conns else sum(max(0, math.ceil(level) - counts[r]) for r in recipients)
+        if not room:
+            outcome = "balanced as far as possible (the recipients hold their share)"
+            break
+        for dn in sorted(over, key=counts.__getitem__, reverse=True):
+            excess = min(room, max(1, math.ceil(counts[dn] - level)))  # moving to `goal` would overshoot
+            room -= excess
+            if not excess:
+                break
             if conns:
                 n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
             else:
