@@ -74,6 +74,7 @@ class Journal(_Owned):
         self.kv: Any = None
         self.revision = 0
         self.state: dict[str, Any] = {}
+        self._background: asyncio.Future[None] | None = None
 
     async def open(self) -> dict[str, Any] | None:
         """Open the bucket (a key of '' opens only that); the key's current state, or None."""
@@ -109,6 +110,22 @@ class Journal(_Owned):
 
     async def save(self, release: bool = False, **changes: Any) -> None:
         """Write the state (CAS); ``release`` gives up ownership so another ferry may adopt at once."""
+        if self._background:  # writes stay in order: each CAS needs the revision of the one before
+            await self._background
+        await self._write(release, **changes)
+
+    def save_soon(self, **changes: Any) -> None:
+        """Write the state in the background, unless a write is still under way (that one is the
+        heartbeat): for loops that must not wait on the bucket, whose writes take seconds under
+        load. The next :meth:`save` waits for it; a failure surfaces at the next call."""
+        self.state.update(changes)
+        if self._background and self._background.done():
+            self._background, done = None, self._background
+            done.result()
+        if not self._background:
+            self._background = asyncio.ensure_future(self._write())
+
+    async def _write(self, release: bool = False, **changes: Any) -> None:
         from nats.js.errors import KeyWrongLastSequenceError
 
         self.state.update(changes, owner=None if release else self.owner(), heartbeat=time.time())

@@ -416,18 +416,16 @@ def read_captures(directory: Path) -> pa.Table:
 
 async def stored_since(cluster: NatsCluster, stream: str, seq0: int, last: int) -> list[tuple[str, int]]:
     """(identity, store time ns) of every message with seq0 < seq <= last."""
-    from ferry.pipeline.jetstream import Range, ReadConfig, read_range
+    from ferry.pipeline.jetstream import Range, ReadConfig, pulled
 
     if last <= seq0:
         return []
     cfg = ReadConfig(cluster=cluster.model_dump_json(), name="move", streams=(stream,))
-    out = []
-    async for batch in read_range(cfg, Range(stream, seq0 + 1, last, fetch=2000)):
-        cols = batch.select(["subject", "payload", "headers"]).to_pydict()
-        micros = batch.column("timestamp").cast(pa.int64()).to_pylist()
-        for subj, payload, headers, us in zip(cols["subject"], cols["payload"], cols["headers"], micros, strict=True):
-            out.append((identity(subj, dict(headers) if headers else None, payload), us * 1000))
-    return out
+    return [
+        (identity(m.subject, m.headers, m.data), ts_ns)
+        async for got in pulled(cfg, Range(stream, seq0 + 1, last, fetch=2000))
+        for m, _, ts_ns in got
+    ]
 
 
 def missing(captured: pa.Table, stored: list[tuple[str, int]]) -> tuple[list[int], dict[str, int]]:
@@ -683,7 +681,8 @@ async def move(
                     cfg["placement"] = st["placement"]
                     await api(nc, f"$JS.API.STREAM.UPDATE.{req.stream}", cfg, timeout=10)
                     emit("placement", placement=st["placement"])
-                await journal.save(phase="moving")
+                # not awaited: a resume from "starting" finds the placement already set and goes on
+                journal.save_soon(phase="moving")
             if st["phase"] == "moving":
                 outcome, watch = await _watch(nc, sysnc, req, journal, emit, stop, t0)
                 result.update(watch)
@@ -777,7 +776,7 @@ async def _watch(
             raise FerryError(f"stream {req.stream!r} not healthy in {st['from']} 120s after the cancel")
         if now - last_beat >= 1.0:
             last_beat = now
-            await journal.save()
+            journal.save_soon()
         await asyncio.sleep(0.05)
     return outcome, {"leader_changes": changes, "leaderless_s": round(leaderless, 3), "moved_in_s": round(now - t0, 3)}
 
@@ -790,11 +789,17 @@ async def reconcile(
     captured = read_captures(capture_dir)
     heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
     # settle: a publish heard just before the guard stopped may still be on its way to the
-    # stream; wait (2 s at most) until the stream holds something stored after that
+    # stream; wait (2 s at most) until the stream holds something stored after that, or (the
+    # producers stopped too) until it has stored nothing new for half a second
+    last_seq, still = -1, 0
     for _ in range(40 if heard_last > stop_ns - 500_000_000 else 0):
         info = await stream_info(nc, stream)
         if _ts_ns(info["state"].get("last_ts", "")) > stop_ns + 200_000_000:
             break
+        still = still + 1 if info["state"]["last_seq"] == last_seq else 0
+        if still >= 10:
+            break
+        last_seq = info["state"]["last_seq"]
         await asyncio.sleep(0.05)
     info = await stream_info(nc, stream)
     stored = await stored_since(cluster, stream, st["seq0"], info["state"]["last_seq"])

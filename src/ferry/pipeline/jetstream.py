@@ -324,7 +324,7 @@ class _Puller:
             await self.sub.unsubscribe()
 
 
-async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
+async def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
     """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order, in
     the lists the server sent: (message, sequence, stored time in ns); publish-time directives
     (``Nats-Expected-*``) dropped from the headers."""
@@ -396,7 +396,7 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
     """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
     source = f"{cfg.name}/{part.stream}"
     builder = BatchBuilder()
-    async for got in _pulled(cfg, part):
+    async for got in pulled(cfg, part):
         for m, seq, ts_ns in got:
             builder.add(m.subject, m.data, m.headers, (m.headers or {}).get(MSG_ID), source, seq, ts_ns // 1000)
         if len(builder) >= cfg.batch_size:
@@ -410,7 +410,7 @@ async def read_rows(cfg: ReadConfig, part: Range) -> AsyncIterator[tuple[Any, ..
     msg id, source, seq), without building Arrow batches: what tasks that read and write at once
     (a copy between streams, a relay) use."""
     source = f"{cfg.name}/{part.stream}"
-    async for got in _pulled(cfg, part):
+    async for got in pulled(cfg, part):
         for m, seq, _ in got:
             headers = m.headers or {}
             yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
