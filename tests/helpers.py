@@ -163,5 +163,25 @@ def judge(
     report = audit(spark, paths, {"t": tier_frame(spark, load_topology(topology), tier)})
     failures = verdict(report, 0, max_dup)
     html.write_text(render_html(report, failures))
+    if failures and tier.startswith("jetstream://"):  # the broker's loss or the reader's? a second opinion
+        cluster, stream = tier.removeprefix("jetstream://").split("/")[:2]
+        lost = set(report["tiers"]["t"].get("lost_ids") or [])
+        failures.append(asyncio.run(_second_read(load_topology(topology), cluster, stream, lost)))
     assert not failures, f"{failures}; report {html}"
     return report["tiers"]["t"]
+
+
+async def _second_read(topo: Topology, cluster: str, stream: str, lost: set[str]) -> str:
+    """The stream's own counts, and how many of the `lost` ids nats-py's ordered consumer finds in it."""
+    async with bnats.session(topo.nats(cluster)) as nc:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        state, found, seen = info.state, 0, 0
+        sub = await js.subscribe(info.config.subjects[0], stream=stream, ordered_consumer=True)
+        while seen < state.messages:
+            m = await sub.next_msg(timeout=10)
+            seen += 1
+            found += (m.headers or {}).get("Ferry-Id") in lost
+        await sub.unsubscribe()
+    held = f"{state.messages} ({state.first_seq}-{state.last_seq})"
+    return f"second read: {stream} holds {held}; {found} of the {len(lost)} listed lost ids are in it"

@@ -27,6 +27,7 @@ def captured(rows: list[tuple[str, dict[str, str] | None, bytes]]) -> pa.Table:
             "subject": [r[0] for r in rows],
             "headers": [list(r[1].items()) if r[1] else None for r in rows],
             "payload": [r[2] for r in rows],
+            "identity": [identity(*r) for r in rows],
         },
         schema=CAPTURE_SCHEMA,
     )

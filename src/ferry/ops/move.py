@@ -83,6 +83,7 @@ CAPTURE_SCHEMA = pa.schema(
         ("subject", pa.string()),
         ("headers", pa.map_(pa.string(), pa.string())),
         ("payload", pa.binary()),
+        ("identity", pa.string()),  # computed as heard, so the comparison after the move hashes only the stream
     ]
 )
 
@@ -370,6 +371,7 @@ class Guard:
         r["subject"].append(m.subject)
         r["headers"].append(list(m.headers.items()) if m.headers else None)
         r["payload"].append(m.data)
+        r["identity"].append(identity(m.subject, m.headers, m.data))
 
     def _flush(self) -> None:
         if self.rows["recv_ns"] and self._writer:
@@ -407,9 +409,15 @@ def read_captures(directory: Path) -> pa.Table:
             reader = pa.ipc.open_stream(pa.memory_map(str(f)))
             while True:
                 try:
-                    batches.append(reader.read_next_batch())
+                    batch = reader.read_next_batch()
                 except (StopIteration, pa.ArrowInvalid, OSError):
                     break
+                if "identity" not in batch.schema.names:  # written by an older ferry (a move resumed after an upgrade)
+                    d = batch.to_pydict()
+                    rows = zip(d["subject"], d["headers"], d["payload"], strict=True)
+                    ids = [identity(s, dict(h) if h else None, p) for s, h, p in rows]
+                    batch = batch.append_column("identity", pa.array(ids, pa.string()))
+                batches.append(batch)
     table = pa.Table.from_batches(batches, schema=CAPTURE_SCHEMA)
     return table.sort_by("recv_ns")
 
@@ -431,9 +439,7 @@ async def stored_since(cluster: NatsCluster, stream: str, seq0: int, last: int) 
 def missing(captured: pa.Table, stored: list[tuple[str, int]]) -> tuple[list[int], dict[str, int]]:
     """Row numbers of captured messages the stream does not hold (capture order), and identity -> first row."""
     held = Counter(i for i, _ in stored)
-    cols = captured.to_pydict()
-    rows = zip(cols["subject"], cols["headers"], cols["payload"], strict=True)
-    ids = [identity(s, dict(h) if h else None, p) for s, h, p in rows]
+    ids = captured.column("identity").to_pylist()
     first: dict[str, int] = {}
     seen: Counter[str] = Counter()
     out = []
@@ -788,21 +794,15 @@ async def reconcile(
     stop_ns = time.time_ns()
     captured = read_captures(capture_dir)
     heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
-    # settle: a publish heard just before the guard stopped may still be on its way to the
-    # stream; wait (2 s at most) until the stream holds something stored after that, or (the
-    # producers stopped too) until it has stored nothing new for half a second
-    last_seq, still = -1, 0
-    for _ in range(40 if heard_last > stop_ns - 500_000_000 else 0):
-        info = await stream_info(nc, stream)
-        if _ts_ns(info["state"].get("last_ts", "")) > stop_ns + 200_000_000:
-            break
-        still = still + 1 if info["state"]["last_seq"] == last_seq else 0
-        if still >= 10:
-            break
-        last_seq = info["state"]["last_seq"]
-        await asyncio.sleep(0.05)
-    info = await stream_info(nc, stream)
-    stored = await stored_since(cluster, stream, st["seq0"], info["state"]["last_seq"])
+    # what the stream holds now is read back while it settles, the rest after
+    held = max(st["seq0"], (await stream_info(nc, stream))["state"]["last_seq"])
+    head = asyncio.ensure_future(stored_since(cluster, stream, st["seq0"], held))
+    try:
+        await _settle(nc, stream, stop_ns, heard_last)
+        last = (await stream_info(nc, stream))["state"]["last_seq"]
+        stored = await head + await stored_since(cluster, stream, held, last)
+    finally:
+        head.cancel()
     rows, first = missing(captured, stored)
     window = measured_window(captured, stored, first)
     reinjected = already = 0
@@ -825,6 +825,22 @@ async def reconcile(
     }
     emit("guard", **out)
     return out
+
+
+async def _settle(nc: Client, stream: str, stop_ns: int, heard_last: int) -> None:
+    """A publish heard just before the guard stopped may still be on its way to the stream: wait
+    (2 s at most) until the stream holds something stored after that, or (the producers stopped
+    too) until it has stored nothing new for half a second."""
+    last_seq, still = -1, 0
+    for _ in range(40 if heard_last > stop_ns - 500_000_000 else 0):
+        info = await stream_info(nc, stream)
+        if _ts_ns(info["state"].get("last_ts", "")) > stop_ns + 200_000_000:
+            return
+        still = still + 1 if info["state"]["last_seq"] == last_seq else 0
+        if still >= 10:
+            return
+        last_seq = info["state"]["last_seq"]
+        await asyncio.sleep(0.05)
 
 
 def _ts_ns(text: str) -> int:

@@ -262,13 +262,14 @@ def plan_ranges(cfg: ReadConfig) -> list[Range]:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def _ack_fields(reply: str) -> tuple[int, int, int]:
-    """(stream sequence, timestamp ns, pending) from a JetStream ack subject (v1 or v2 form)."""
+def _ack_fields(reply: str) -> tuple[int, int, int, int]:
+    """(stream sequence, consumer sequence, timestamp ns, pending) from a JetStream ack subject
+    (v1 or v2 form)."""
     t = reply.split(".")
     if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(t[5]), int(t[7]), int(t[8])
+        return int(t[5]), int(t[6]), int(t[7]), int(t[8])
     # $JS.ACK.<domain>.<acc hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
-    return int(t[7]), int(t[9]), int(t[10])
+    return int(t[7]), int(t[8]), int(t[9]), int(t[10])
 
 
 class _Puller:
@@ -357,8 +358,11 @@ async def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, 
                 break
             puller = _Puller(w, part.stream, info.name)
             await puller.start()
+            # the consumer numbers what it delivers: a gap is the rest of a batch lost with a dropped
+            # connection (the consumer, acking nothing, goes on after it), so read again from next_seq
+            delivered, gap = 0, False
             try:
-                while not done:
+                while not done and not gap:
                     try:
                         msgs = await puller.pull(min(part.fetch, part.hi - next_seq + 1))
                     except TimeoutError:
@@ -370,7 +374,11 @@ async def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, 
                     deadline = time.monotonic() + 120
                     got = []
                     for m in msgs:
-                        seq, ts_ns, pending = _ack_fields(m.reply)
+                        seq, cseq, ts_ns, pending = _ack_fields(m.reply)
+                        if cseq != delivered + 1:
+                            gap = True
+                            break
+                        delivered = cseq
                         if seq < next_seq:
                             continue
                         if seq > part.hi:
