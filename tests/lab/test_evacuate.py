@@ -718,6 +718,18 @@ async def _until(nc: Any, stream: str, cond: Callable[[dict[str, Any]], bool], w
         await asyncio.sleep(0.2)
 
 
+async def _create(nc: Any, cfg: dict[str, Any]) -> None:
+    """Create a stream, asking again while the meta leader does not answer (60 s at most; a create
+    with the same config is idempotent). A CI run once got no answer for 10 s after a server restart."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await _js(nc, f"$JS.API.STREAM.CREATE.{cfg['name']}", cfg)
+            return
+        except BrokerUnavailable:
+            assert time.monotonic() < deadline, f"{cfg['name']}: no answer to the create for 60 s"
+
+
 def _peers(info: dict[str, Any]) -> set[str]:
     return {p["name"] for p in mv.peers(info)}
 
@@ -743,7 +755,7 @@ async def _streams_held_by_one_node(topo: Any) -> str:
                 await _js(nc, f"$JS.API.STREAM.DELETE.{name}")
             n = 50_000 if name == "EV_R1" else 100
             cfg = {"name": name, "subjects": [f"{name.lower()}.>"], "num_replicas": 1 if name == "EV_R1" else 3}
-            await _js(nc, f"$JS.API.STREAM.CREATE.{name}", {**cfg, "placement": {"cluster": "east"}})
+            await _create(nc, {**cfg, "placement": {"cluster": "east"}})
             info = await _until(nc, name, lambda i, r=cfg["num_replicas"]: _settled(i, r), "settled")
             for i in range(n):
                 await nc.publish(f"{name.lower()}.{i % 7}", b"x" * 1000)

@@ -172,8 +172,12 @@ class Channel:
 
     async def declare_passive(self, queue: str) -> int:
         """Ready messages in `queue` (live, unlike the management API); NotFound if it does not exist."""
+        return (await self.queue_state(queue))[0]
+
+    async def queue_state(self, queue: str) -> tuple[int, int]:
+        """(ready messages, consumers) of `queue`; NotFound if it does not exist."""
         ok = await self.call(commands.Queue.Declare(queue=queue, passive=True))
-        return int(ok.message_count)
+        return int(ok.message_count), int(ok.consumer_count)
 
     async def qos(self, prefetch: int) -> None:
         await self.call(commands.Basic.Qos(prefetch_count=prefetch))
@@ -482,13 +486,17 @@ class QueueCounts:
         self.channels: dict[str, Channel] = {}
 
     async def ready(self, vhost: str, queue: str) -> int:
+        return (await self.state(vhost, queue))[0]
+
+    async def state(self, vhost: str, queue: str) -> tuple[int, int]:
+        """(ready messages, consumers)."""
         if vhost not in self.conns:
             self.conns[vhost] = await raw_connect(self.cluster, vhost, name=self.name)
         ch = self.channels.get(vhost)
         if ch is None or ch.closed:  # a missing queue closes the channel
             ch = self.channels[vhost] = await self.conns[vhost].channel()
         try:
-            return await ch.declare_passive(queue)
+            return await ch.queue_state(queue)
         except NotFound:
             raise NotFound(f"{self.name}: queue {queue!r} not found in vhost {vhost!r}") from None
 
