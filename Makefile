@@ -9,6 +9,7 @@ DEBS  := rabbitmq-server haproxy chromium nats-server
 .PHONY: setup system-packages demo test lint bench clean
 
 setup: $(STAMP) system-packages
+	$(PY) -m ferry.pipeline.spark
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -257,6 +257,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
 
 async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> None:
     from nats.js.api import Placement
+    from nats.js.errors import APIError
 
     src, dst = plan.source, plan.destination
     if src.kind != "jetstream":
@@ -267,7 +268,15 @@ async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> None:
     config.subjects = [plan.options.subject_prefix + s for s in (config.subjects or [])]
     config.placement = Placement(cluster=dst.cluster) if _same_system(topology, src, dst) else None
     config.mirror, config.sources = None, None
-    await jsm.add_stream(config)
+    try:
+        await jsm.add_stream(config)
+    except APIError as exc:
+        hint = (
+            " (they are copied from the source: --subject-prefix gives the copy its own)"
+            if exc.err_code == 10065
+            else ""
+        )
+        raise ConfigError(f"{dst}: cannot create stream {dst.stream!r}: {exc.description}{hint}") from None
 
 
 def _same_system(topology: Topology, a: Endpoint, b: Endpoint) -> bool:
