@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import aio_pika
 import httpx
+import nats.js.errors
 import pytest
 
 from ferry import lab
+from ferry.brokers import nats as bnats
 from ferry.lab.scenarios import fill_queue
 from ferry.topology import Topology
 from tests.conftest import profile_topology
@@ -325,6 +328,25 @@ def test_bad_input_is_one_line_and_moves_nothing(
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not Path("/tmp/ferry-nope").exists()
+
+
+def test_create_with_subjects_taken_is_one_line_and_creates_nothing(
+    supercluster: lab.LabState, source_stream: str
+) -> None:
+    topology = supercluster.path / "topology.yaml"
+    result = ferry("copy", "jetstream://east/CSRC", "jetstream://east/CTAKEN", "--create", topology=topology)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "subjects overlap" in lines[0] and "--subject-prefix" in lines[0]
+
+    async def exists() -> bool:
+        async with bnats.session(profile_topology(supercluster).nats("east")) as nc:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await nc.jsm().stream_info("CTAKEN")
+                return True
+        return False
+
+    assert not asyncio.run(exists())
 
 
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
