@@ -94,7 +94,6 @@ def test_pulls_cut_short_by_their_timeout_lose_no_message(supercluster: lab.LabS
     (A CI audit once missed 2,888 messages the stream held: the rest of a request was dropped.)"""
     from nats.js.api import AckPolicy, ConsumerConfig
 
-    from ferry.brokers import nats as bnats
     from ferry.pipeline._nats import wire
     from ferry.pipeline.jetstream import _ack_fields, _Puller
 
