@@ -35,9 +35,11 @@ upstream queues' counts before and after, which show that nothing was pulled.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -276,6 +278,8 @@ async def failback(
                 emit("resume", id=journal["id"], phase=journal["phase"], started=journal["started"])
             if req.abort:
                 return await _finish(sm, src_c, dst_c, journal, req, emit, aborted=True)
+            if req.engine == "spark" and journal["phase"] in ("disabling", "transferring"):
+                spark = _started(spark or _local_session)  # the JVM starts while links go down
             if journal["phase"] == "disabling":
                 await _disable(sm, journal, emit)
                 journal["phase"] = "transferring"
@@ -451,6 +455,26 @@ async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], emi
         await counts.close()
 
 
+def _local_session() -> Any:
+    from ferry.pipeline.spark import get_session
+
+    return get_session(app_name="ferry failback")
+
+
+def _started(make: Callable[[], Any]) -> Callable[[], Any]:
+    """Call `make` now in a background thread; the returned callable waits for its result (or error)."""
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(make())
+        except BaseException as exc:  # raised where the session is asked for, if it ever is
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="spark-session", daemon=True).start()
+    return result.result
+
+
 def _spark_move(
     topo: Topology,
     journal: dict[str, Any],
@@ -461,7 +485,6 @@ def _spark_move(
 ) -> dict[str, Any]:
     """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
     from ferry.pipeline.copy import CopyOptions, CopyPlan, run_copy
-    from ferry.pipeline.spark import get_session
     from ferry.pipeline.uris import Endpoint
 
     plan = CopyPlan(
@@ -481,7 +504,7 @@ def _spark_move(
         ],
         transfer_id=journal["id"],
     )
-    report = run_copy(topo, plan, spark() if spark else get_session(app_name="ferry failback"))
+    report = run_copy(topo, plan, (spark or _local_session)())
     return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
 
 

@@ -62,11 +62,13 @@ _JVM_LOG = "-Xlog:disable -Xlog:all=warning:stderr"
 def _class_archive(light_jvm: bool) -> str:
     """JVM options for class data sharing: the driver maps the classes Spark loads from an
     archive instead of parsing them from jars, about 3 s less per session start here (a session
-    and two small jobs: 10.5 -> 7.3 s). The first session of a Python environment writes the
-    archive as its JVM exits (once, ~5 s, ~150 MB under ~/.cache/ferry); FERRY_SPARK_CDS=0 turns
+    and two small jobs: 10.5 -> 6.2 s). The first session of a Python environment writes the
+    archive as its JVM exits (once, ~15 s, ~150 MB under ~/.cache/ferry); FERRY_SPARK_CDS=0 turns
     this off. A stale archive (another Java) is ignored by the JVM itself."""
+    from pyspark import SparkContext
+
     archive = class_archive_path(light_jvm)
-    if archive is None:
+    if archive is None or SparkContext._gateway is not None:  # no JVM to start in this process
         return ""
     if archive.exists():
         return f"-XX:SharedArchiveFile={archive}"
