@@ -22,7 +22,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -136,18 +135,25 @@ def get_session(
         builder = SparkSession.builder.remote(remote).appName(app_name)
     else:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = SparkSession.builder.master(master or "local[*]").appName(app_name)
         log4j = Path(__file__).with_name("log4j2.properties")
         java = " ".join(
             [f"-Dlog4j2.configurationFile=file:{log4j}", _JVM_LOG, _class_archive(light_jvm)]
             + ([_LIGHT_JVM] if light_jvm else [])
         )
-        quiet = {"spark.driver.extraJavaOptions": java}
-        for key, value in {**_LOCAL_CONF, **quiet, **conf}.items():
+        options = {
+            "spark.master": master or "local[*]",
+            "spark.app.name": app_name,
+            **_LOCAL_CONF,
+            "spark.driver.extraJavaOptions": java,
+            **conf,
+        }
+        builder = SparkSession.builder
+        for key, value in options.items():
             builder = builder.config(key, value)
     try:
-        with _jvm_output_to(spark_log()):
-            spark = builder.getOrCreate()
+        if not remote:
+            _launch_jvm(options)
+        spark = builder.getOrCreate()
     except Exception as exc:  # the JVM failed to start or the remote is unreachable
         where = remote or master or "local[*]"
         raise ConfigError(
@@ -162,18 +168,21 @@ def spark_log() -> Path:
     return Path(tempfile.gettempdir()) / f"ferry-spark-{os.getpid()}.log"
 
 
-@contextlib.contextmanager
-def _jvm_output_to(path: Path) -> Iterator[None]:
-    """Point fd 2 at `path` while the JVM starts: the JVM (and every worker it forks) inherits it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    saved = os.dup(2)
-    os.dup2(fd, 2)
+def _launch_jvm(options: dict[str, str]) -> None:
+    """Start the driver JVM (unless this process has one) with its stderr, which every Python
+    worker it forks inherits, in the Spark log. Only the JVM's: other threads keep reporting on
+    this process's own stderr while it starts."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return
+    fd = os.open(spark_log(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        yield
+        gateway = launch_gateway(SparkConf(loadDefaults=False).setAll(options.items()), popen_kwargs={"stderr": fd})
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
         os.close(fd)
+    SparkContext._ensure_initialized(gateway=gateway)
 
 
 def _reachable(remote: str, timeout: float = 5.0) -> None:

@@ -1,0 +1,33 @@
+"""The local Spark session: its JVM's output goes to the Spark log, and only the JVM's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import sys, threading, time
+from ferry.pipeline.spark import get_session, spark_log
+
+def report():  # another thread reporting while the JVM starts, as ferry failback's progress does
+    for i in range(400):
+        print(f"line {i}", file=sys.stderr, flush=True)
+        time.sleep(0.01)
+t = threading.Thread(target=report)
+t.start()
+spark = get_session()
+assert spark.range(3).count() == 3
+t.join()
+print(spark_log())
+"""
+
+
+def test_the_jvm_writes_to_the_spark_log_and_other_threads_to_stderr() -> None:
+    env = {**os.environ, "FERRY_SPARK_CDS": "0"}  # no "saving Spark's classes" note at exit
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [f"line {i}" for i in range(400)], result.stderr[-3000:]
+    log = Path(result.stdout.strip()).read_text()
+    assert "Setting default log level" in log and "line " not in log
