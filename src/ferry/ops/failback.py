@@ -481,7 +481,7 @@ def _spark_move(
     todo: list[dict[str, Any]],
     ready: dict[str, int],
     req: FailbackRequest,
-    spark: Callable[[], Any] | None,
+    spark: Callable[[], Any],
 ) -> dict[str, Any]:
     """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
     from ferry.pipeline.copy import CopyOptions, CopyPlan, run_copy
@@ -504,7 +504,7 @@ def _spark_move(
         ],
         transfer_id=journal["id"],
     )
-    report = run_copy(topo, plan, (spark or _local_session)())
+    report = run_copy(topo, plan, spark())
     return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
 
 

@@ -64,10 +64,8 @@ def _class_archive(light_jvm: bool) -> str:
     and two small jobs: 10.5 -> 6.2 s). The first session of a Python environment writes the
     archive as its JVM exits (once, ~15 s, ~150 MB under ~/.cache/ferry); FERRY_SPARK_CDS=0 turns
     this off. A stale archive (another Java) is ignored by the JVM itself."""
-    from pyspark import SparkContext
-
     archive = class_archive_path(light_jvm)
-    if archive is None or SparkContext._gateway is not None:  # no JVM to start in this process
+    if archive is None:
         return ""
     if archive.exists():
         return f"-XX:SharedArchiveFile={archive}"
@@ -122,6 +120,7 @@ def get_session(
     ``light_jvm`` (local driver only): a JVM tuned for moving data; pass False for
     jobs that compute in the JVM (the audit).
     """
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     if master and remote:
@@ -136,8 +135,10 @@ def get_session(
     else:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         log4j = Path(__file__).with_name("log4j2.properties")
+        launching = SparkContext._gateway is None  # else this process has its JVM already
         java = " ".join(
-            [f"-Dlog4j2.configurationFile=file:{log4j}", _JVM_LOG, _class_archive(light_jvm)]
+            [f"-Dlog4j2.configurationFile=file:{log4j}", _JVM_LOG]
+            + ([_class_archive(light_jvm)] if launching else [])
             + ([_LIGHT_JVM] if light_jvm else [])
         )
         options = {
@@ -151,7 +152,7 @@ def get_session(
         for key, value in options.items():
             builder = builder.config(key, value)
     try:
-        if not remote:
+        if not remote and launching:
             _launch_jvm(options)
         spark = builder.getOrCreate()
     except Exception as exc:  # the JVM failed to start or the remote is unreachable
@@ -169,14 +170,12 @@ def spark_log() -> Path:
 
 
 def _launch_jvm(options: dict[str, str]) -> None:
-    """Start the driver JVM (unless this process has one) with its stderr, which every Python
-    worker it forks inherits, in the Spark log. Only the JVM's: other threads keep reporting on
-    this process's own stderr while it starts."""
+    """Start the driver JVM with its stderr, which every Python worker it forks inherits, in the
+    Spark log. Only the JVM's: other threads keep reporting on this process's own stderr while
+    it starts."""
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
-    if SparkContext._gateway is not None:
-        return
     fd = os.open(spark_log(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         gateway = launch_gateway(SparkConf(loadDefaults=False).setAll(options.items()), popen_kwargs={"stderr": fd})
