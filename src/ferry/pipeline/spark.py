@@ -60,8 +60,8 @@ _JVM_LOG = "-Xlog:disable -Xlog:all=warning:stderr"
 
 def _class_archive(light_jvm: bool) -> str:
     """JVM options for class data sharing: the driver maps the classes Spark loads from an
-    archive instead of parsing them from jars, about 3 s less per session start here (a session
-    and two small jobs: 10.5 -> 6.2 s). The first session of a Python environment writes the
+    archive instead of parsing them from jars, 3.5 s or more less per session start here
+    (bench/RESULTS.md, "Spark start-up"). The first session of a Python environment writes the
     archive as its JVM exits (once, ~15 s, ~150 MB under ~/.cache/ferry); FERRY_SPARK_CDS=0 turns
     this off. A stale archive (another Java) is ignored by the JVM itself."""
     archive = class_archive_path(light_jvm)
