@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +34,10 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from ferry.errors import FerryError
+from ferry.errors import ConfigError, FerryError
+from ferry.pipeline._nats import encode_headers
 
-__all__ = ["Ack", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
+__all__ = ["Ack", "BatchPublisher", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
 
 MSG_ID = "Nats-Msg-Id"
 SOURCE_HDR = "Ferry-Source"  # what ferry's data plane adds to a copy: where it came from
@@ -251,6 +254,224 @@ class Publisher:
                 p.ack.error = None
                 self.stats.retries += 1
                 await self._send(p)
+
+
+_FLOW = 500  # acks every N messages at most: the most a stream grants (server/jetstream_batching.go)
+_AHEAD = 4  # messages sent past the last flow ack, in multiples of the stream's ack interval
+_BATCH_GONE = 10208  # "batch publish ID unknown"
+_BATCH_DISABLED = 10205
+
+
+@dataclass(slots=True)
+class _Queued:
+    subject: bytes
+    header: bytes
+    payload: bytes
+    first_sent: float
+
+
+class BatchPublisher:
+    """JetStream fast batch publishing: the stream acknowledges every N messages, not each one.
+
+    Needs nats-server 2.12 or later and a stream with ``allow_batched``; measured
+    here, it stores about twice as many messages per second as :class:`Publisher`
+    with a sixth of the client's CPU and half the servers' (bench/RESULTS.md).
+
+    The protocol (nats-server ``server/stream.go``, ``getFastBatch``): each
+    message's reply subject is ``<inbox>.<batch id>.<flow>.fail.<batch seq>.<op>.$FI``
+    (op 0 starts the batch, 1 appends, 3 commits without a message, 4 pings).
+    With gap mode ``fail`` the stream stores a prefix of the batch, in order: it
+    sends ``{"type": "ack", "seq": S, "msgs": N}`` once messages 1..S are stored
+    (and asks for the next ack after N more), and answers the commit with a PubAck
+    whose ``count`` says how many were. A refused or lost message ends the batch
+    early, with such a PubAck.
+
+    Recovery is re-sending, as :class:`Publisher` does: whatever no ack has
+    confirmed is published again under its ``Nats-Msg-Id`` in a new batch (the
+    stream drops what it already holds) when the batch ended early, when the
+    stream no longer knows it (it forgets a batch idle for 10 s), and when neither
+    a flow ack nor the answer to a ping came within ``ack_timeout``. A message the
+    stream refuses as the first of a batch fails; one without an ack for
+    ``give_up_after`` seconds fails. The stream drops a re-sent message it already
+    holds without saying so, so ``stats.stored`` counts it as stored (and
+    ``stats.duplicates`` stays 0). With ``stop_on_refusal`` a refused message
+    raises :class:`PublishError` (its ``err_code`` in ``fields``) from the next
+    ``publish`` or ``flush`` instead: what a writer that keeps order needs.
+    """
+
+    def __init__(
+        self,
+        nc: Any,  # the data plane's Wire (publish_raw)
+        *,
+        ack_timeout: float = 2.0,
+        give_up_after: float = 120.0,
+        retry_codes: frozenset[int] = frozenset({429, 503}),
+        stop_on_refusal: bool = False,
+    ) -> None:
+        self.nc = nc
+        self.ack_timeout = ack_timeout
+        self.give_up_after = give_up_after
+        self.retry_codes = retry_codes
+        self.stop_on_refusal = stop_on_refusal
+        self.stats = PublishStats()
+        self._inbox = ""
+        self._sub: Any = None
+        self._batch = ""
+        self._reply_to = b""
+        self._sent = 0  # batch sequences sent
+        self._acked = 0  # batch sequences 1.._acked stored
+        self._every = 8  # the stream's ack interval (its first answer says)
+        self._unacked: deque[_Queued] = deque()  # batch sequences _acked+1.._sent, in order
+        self._last_subject = b""
+        self._committed = False
+        self._ended_at: float | None = None  # the batch is over: start another at this time
+        self._fatal: FerryError | None = None  # raised by the next publish or flush
+        self._progress = 0.0
+        self._pinged = 0.0
+        self._changed = asyncio.Event()
+        self._tick = max(0.02, min(0.2, ack_timeout / 4))
+
+    async def __aenter__(self) -> BatchPublisher:
+        self._inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(self._inbox + ".>", cb=self._reply)
+        self._restart()
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                await self.flush()
+        finally:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def publish(
+        self, subject: str, payload: bytes = b"", *, headers: dict[str, str] | None = None, msg_id: str | None = None
+    ) -> None:
+        """Queue one message (waits while too far ahead of the stream's acks)."""
+        if msg_id:
+            headers = {**(headers or {}), MSG_ID: msg_id}
+        while self._ended_at is not None or self._sent - self._acked >= max(_AHEAD * self._every, 32):
+            await self._wait()
+        self.stats.published += 1
+        self._send(_Queued(subject.encode(), encode_headers(headers) if headers else b"", payload, time.monotonic()))
+
+    async def flush(self) -> PublishStats:
+        """Commit the batch; wait until every message is stored or has failed."""
+        while self._unacked or self._ended_at is not None:
+            if self._ended_at is None and not self._committed:
+                self._committed = True
+                self._write(self._last_subject, self._sent + 1, 3)
+            await self._wait()
+        return self.stats
+
+    # -- internals -----------------------------------------------------------------
+
+    def _write(self, subject: bytes, seq: int, op: int, header: bytes = b"", payload: bytes = b"") -> None:
+        with contextlib.suppress(FerryError):  # not connected and its buffer full: a gap, recovered below
+            self.nc.publish_raw(subject, b"%s.%d.%d.$FI" % (self._reply_to, seq, op), header, payload)
+
+    def _send(self, q: _Queued) -> None:
+        self._sent += 1
+        self._unacked.append(q)
+        self._last_subject = q.subject
+        self._write(q.subject, self._sent, 0 if self._sent == 1 else 1, q.header, q.payload)
+
+    def _restart(self) -> None:
+        """A new batch, with every unconfirmed message sent again first."""
+        self._batch = secrets.token_hex(8)
+        self._reply_to = f"{self._inbox}.{self._batch}.{_FLOW}.fail".encode()
+        self._sent = self._acked = 0
+        self._every = 8
+        self._committed = False
+        self._ended_at = None
+        self._progress, self._pinged = time.monotonic(), 0.0
+        again, self._unacked = self._unacked, deque()
+        self.stats.retries += len(again)
+        for q in again:
+            self._send(q)
+
+    def _end(self, delay: float = 0.0) -> None:
+        if self._ended_at is None:
+            self._ended_at = time.monotonic() + delay
+        self._changed.set()
+
+    def _confirm(self, seq: int) -> None:
+        n = min(seq, self._sent) - self._acked
+        if n <= 0:
+            return
+        for _ in range(n):
+            self._unacked.popleft()
+        self._acked += n
+        self.stats.stored += n
+        self._progress, self._pinged = time.monotonic(), 0.0
+        self._changed.set()
+
+    def _fail(self, count: int, error: str) -> None:
+        for _ in range(min(count, len(self._unacked))):
+            q = self._unacked.popleft()
+            self.stats.failed += 1
+            if len(self.stats.errors) < 100:
+                self.stats.errors.append(f"{q.subject.decode()}: {error}")
+        self._acked += count  # the failed messages are done with; the batch is restarted anyway
+        self._changed.set()
+
+    def _reply(self, msg: Msg) -> None:
+        batch, _, rest = msg.subject[len(self._inbox) + 1 :].partition(".")
+        if batch != self._batch:
+            return  # an earlier batch's: its messages were sent again
+        seq, op = (int(t) for t in rest.split(".")[2:4])
+        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            self._end(self.ack_timeout / 4)  # no leader now (an election): the message went nowhere
+            return
+        try:
+            resp = json.loads(msg.data)
+        except ValueError:
+            return
+        kind = resp.get("type")
+        if kind == "ack":
+            self._every = max(1, int(resp.get("msgs") or 1))
+            self._confirm(int(resp.get("seq") or 0))
+        elif "batch" in resp:  # the PubAck: the batch is over, 1..count stored
+            self._confirm(int(resp.get("count") or 0))
+            self._end()
+        elif kind is None and "error" in resp:  # the first message refused, or the batch unknown
+            err = resp["error"]
+            code, err_code = err.get("code", 0), err.get("err_code", 0)
+            if err_code == _BATCH_DISABLED:
+                self._fatal = ConfigError(
+                    f"stream {resp.get('stream', '?')}: batch publish is disabled (allow_batched is off)"
+                )
+            elif seq == 1 and op == 0 and err_code != _BATCH_GONE and code not in self.retry_codes:
+                text = err.get("description", str(err))
+                if self.stop_on_refusal:
+                    self._fatal = PublishError(text, subject=self._unacked[0].subject.decode(), err_code=err_code)
+                else:
+                    self._fail(1, text)
+            self._end(self.ack_timeout / 4 if code in self.retry_codes else 0.0)
+        # "gap" and "err" are informational: the PubAck that ends the batch follows
+
+    async def _wait(self) -> None:
+        """Until something changed (or a tick passed); restart an ended or stalled batch."""
+        if self._fatal:
+            raise self._fatal
+        now = time.monotonic()
+        if self._ended_at is not None and now >= self._ended_at:
+            self._restart()
+            return
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), self._tick)
+        now = time.monotonic()
+        if self._unacked and now - self._unacked[0].first_sent >= self.give_up_after:
+            self._fail(len(self._unacked), f"no ack within {self.give_up_after:.0f}s")
+            self._end()
+        elif self._ended_at is None and self._unacked and now - self._progress >= self.ack_timeout:
+            if not self._pinged:
+                self._pinged = now
+                self._write(self._last_subject, self._sent, 4)
+            elif now - self._pinged >= self.ack_timeout:
+                self._end()
 
 
 async def publish(

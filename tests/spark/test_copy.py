@@ -160,12 +160,14 @@ def test_a_connection_dropped_mid_batch_loses_no_message(
     assert seqs == list(range(1, N + 1)), f"{len(seqs)} messages, the first gap after seq {gap}"
 
 
-@pytest.mark.parametrize("mode", ["ordered", "parallel"])
+@pytest.mark.parametrize("mode", ["ordered", "parallel", "ordered-batched"])
 def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
+    """ordered-batched: into a stream that allows fast batch publishing, which the copy then uses."""
     topo = profile_topology(supercluster)
-    dest = f"CDST_{mode.upper()}"
+    dest = f"CDST_{mode.upper().replace('-', '_')}"
     prefix = f"{mode}."
-    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west"))
+    batched = mode.endswith("batched")
+    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west", allow_batched=batched))
     topology = supercluster.path / "topology.yaml"
     extra = ["--partitions", "2"] if mode == "parallel" else []
     args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix, *extra]
@@ -173,19 +175,23 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
     partial = stream_count(topo, "west", dest)
     assert N // 3 <= partial < N
     report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert report["plan"]["batched"] == batched
     assert 0 < report["stored"] <= N - partial
-    _check_copy(supercluster, dest, prefix, ordered=mode == "ordered")
+    _check_copy(supercluster, dest, prefix, ordered=mode.startswith("ordered"))
     again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert again["stored"] == 0 and stream_count(topo, "west", dest) == N
 
 
-def test_stream_copy_rides_out_the_kill_of_a_destination_server(supercluster: lab.LabState, source_stream: str) -> None:
+@pytest.mark.parametrize("batched", [False, True])
+def test_stream_copy_rides_out_the_kill_of_a_destination_server(
+    supercluster: lab.LabState, source_stream: str, batched: bool
+) -> None:
     """A west server that a writer is connected to is SIGKILLed mid-copy: the writer's connection
-    moves to another server, publishes left without an ack are re-sent under their ids, and the
-    copy ends with every message exactly once."""
+    moves to another server, publishes left without an ack are re-sent under their ids (in a new
+    batch, when batched), and the copy ends with every message exactly once."""
     topo = profile_topology(supercluster)
-    dest, prefix = "CDST_KILL", "kill."
-    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west"))
+    dest, prefix = f"CDST_KILL{int(batched)}", f"kill{int(batched)}."
+    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west", allow_batched=batched))
     args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix]
     args += ["--partitions", "2", "--rate", "4000", "--json"]
     env = {**os.environ, "FERRY_TOPOLOGY": str(supercluster.path / "topology.yaml")}
@@ -198,6 +204,7 @@ def test_stream_copy_rides_out_the_kill_of_a_destination_server(supercluster: la
         victim.signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-2000:]
+        assert json.loads(out)["plan"]["batched"] == batched
         assert json.loads(out)["retries"] > 0  # it did have something to ride out
     finally:
         if proc.poll() is None:

@@ -76,6 +76,7 @@ class CopyPlan:
     queues: list[dict[str, Any]] = field(default_factory=list)  # vhost, queue, ready, target
     resume_from: int | None = None  # ordered: first source seq still to copy
     anti_join: bool = False  # parallel: destination already holds part of this source
+    batched: bool = False  # into a stream that allows fast batch publishing
     transfer_id: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -91,6 +92,7 @@ class CopyPlan:
             "queues": self.queues,
             "resume_from": self.resume_from,
             "anti_join": self.anti_join,
+            "batched": self.batched,
             "transfer_id": self.transfer_id,
             "notes": self.notes,
         }
@@ -238,9 +240,9 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
                 raise
             if not opts.create:
                 raise NotFound(f"{dst}: stream {dst.stream!r} does not exist (pass --create to create it)") from None
-            await _create_stream(topology, plan, jsm)
+            info = await _create_stream(topology, plan, jsm)
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
-            return
+        _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.12 drop the setting
         if plan.source.kind != "jetstream" or info.state.messages == 0:
             return
         source_name = f"{plan.source.cluster}/{plan.source.stream}"
@@ -255,7 +257,13 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
             plan.notes.append("the destination is not empty: copying only what it does not hold yet")
 
 
-async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> None:
+def _use_batches(plan: CopyPlan, allowed: bool) -> None:
+    if allowed:
+        plan.batched = True
+        plan.notes.append("publishing in fast batches (the destination allows batched publishing)")
+
+
+async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> Any:
     from nats.js.api import Placement
     from nats.js.errors import APIError
 
@@ -268,8 +276,9 @@ async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> None:
     config.subjects = [plan.options.subject_prefix + s for s in (config.subjects or [])]
     config.placement = Placement(cluster=dst.cluster) if _same_system(topology, src, dst) else None
     config.mirror, config.sources = None, None
+    config.allow_batched = True  # so that the copy can publish in fast batches
     try:
-        await jsm.add_stream(config)
+        return await jsm.add_stream(config)
     except APIError as exc:
         hint = (
             " (they are copied from the source: --subject-prefix gives the copy its own)"
@@ -354,6 +363,7 @@ def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int
                 stream=dst.stream,
                 window=plan.options.window,
                 ordered=plan.options.mode == "ordered",
+                batched=plan.batched,
                 subject_prefix=plan.options.subject_prefix,
                 rate=rate,
             ),

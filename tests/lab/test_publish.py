@@ -1,0 +1,115 @@
+"""Fast batch publishing (`BatchPublisher`) on the lab's R3 streams: every message once, in order,
+through refusals and leader changes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.errors import ConfigError
+from ferry.pipeline._nats import wire
+from ferry.pipeline.jetstream import WriteConfig, write_rows
+from ferry.publish import BatchPublisher
+from tests.conftest import profile_topology
+from tests.helpers import make_stream, read_stream
+
+pytestmark = pytest.mark.lab
+
+
+async def _publish(topo, stream: str, n: int, payload=lambda i: b"x" * 100) -> BatchPublisher:  # type: ignore[no-untyped-def]
+    async with wire(topo.nats("east"), "east") as w, BatchPublisher(w, ack_timeout=1.0, give_up_after=60) as pub:
+        for i in range(n):
+            await pub.publish(f"{stream.lower()}.s{i % 7}", payload(i), msg_id=f"m{i}")
+    return pub
+
+
+def _ids(rows: list[dict]) -> list[int]:
+    return [int(dict(r["headers"])["Nats-Msg-Id"][1:]) for r in rows]
+
+
+async def test_every_message_once_in_order_and_a_second_send_stores_nothing(supercluster: lab.LabState) -> None:
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB1", ["fb1.>"], placement="east", allow_batched=True)
+    pub = await _publish(topo, "FB1", 20_000)
+    assert (pub.stats.stored, pub.stats.failed, pub.stats.retries) == (20_000, 0, 0)
+    again = await _publish(topo, "FB1", 20_000)  # the same ids: the stream drops them all
+    assert again.stats.failed == 0
+    assert _ids(await read_stream(topo, "east", "FB1")) == list(range(20_000))
+
+
+async def test_a_refused_message_fails_alone_and_the_rest_is_stored_in_order(supercluster: lab.LabState) -> None:
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB2", ["fb2.>"], placement="east", allow_batched=True, max_msg_size=1000)
+    pub = await _publish(topo, "FB2", 5_000, payload=lambda i: b"x" * (2000 if i == 2_500 else 100))
+    assert pub.stats.failed == 1 and "exceeds maximum" in pub.stats.errors[0], pub.stats
+    assert pub.stats.stored == 4_999
+    assert pub.stats.retries > 0  # the batch ended at the refusal; what followed was sent again
+    assert _ids(await read_stream(topo, "east", "FB2")) == [i for i in range(5_000) if i != 2_500]
+
+
+async def test_leader_changes_mid_batch_lose_and_duplicate_nothing(supercluster: lab.LabState) -> None:
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB3", ["fb3.>"], placement="east", allow_batched=True)
+
+    async def stepdowns() -> int:
+        done = 0
+        async with bnats.session(topo.nats("east")) as nc:
+            for _ in range(3):
+                await asyncio.sleep(1.0)
+                await nc.request("$JS.API.STREAM.LEADER.STEPDOWN.FB3", b"", timeout=10)
+                done += 1
+        return done
+
+    stepper = asyncio.create_task(stepdowns())
+    n = 0
+    async with wire(topo.nats("east"), "east") as w, BatchPublisher(w, ack_timeout=1.0, give_up_after=60) as pub:
+        while not stepper.done() or n < 10_000:  # through three leader changes, then some
+            await pub.publish(f"fb3.s{n % 7}", b"x" * 100, msg_id=f"m{n}")
+            n += 1
+            if n % 1000 == 0:
+                await asyncio.sleep(0)  # let the stepdowns' requests through
+    assert stepper.result() == 3
+    assert pub.stats.failed == 0
+    assert pub.stats.retries > 0  # batches did end early: what they had not confirmed was sent again
+    ids = _ids(await read_stream(topo, "east", "FB3"))
+    assert sorted(ids) == list(range(n)), "a message was lost or stored twice"
+
+
+async def test_a_stream_that_does_not_allow_batches_is_a_config_error(supercluster: lab.LabState) -> None:
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB4", ["fb4.>"], placement="east")
+    with pytest.raises(ConfigError, match="allow_batched"):
+        await _publish(topo, "FB4", 100)
+
+
+async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_changes(supercluster: lab.LabState) -> None:
+    """The copy's ordered mode in batches: each message expects its predecessor as the stream's
+    last (``Nats-Expected-Last-Sequence``), so leader changes cost re-sends but never order."""
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB5", ["fb5.>"], placement="east", allow_batched=True)
+    n = 120_000
+    cfg = WriteConfig(
+        cluster=topo.nats("east").model_dump_json(), name="east", stream="FB5", ordered=True, batched=True
+    )
+
+    async def rows():  # type: ignore[no-untyped-def]
+        for i in range(n):
+            yield f"fb5.s{i % 7}", b"y" * 100, None, f"m{i}", "src/S", i + 1
+            if i % 1000 == 0:
+                await asyncio.sleep(0)
+
+    async def stepdowns() -> None:
+        async with bnats.session(topo.nats("east")) as nc:
+            for _ in range(2):
+                await asyncio.sleep(1.0)
+                await nc.request("$JS.API.STREAM.LEADER.STEPDOWN.FB5", b"", timeout=10)
+
+    stepper = asyncio.create_task(stepdowns())
+    counts = await write_rows(cfg, rows())
+    await stepper
+    assert counts.stored == n
+    assert counts.retries > 0  # the leader changes did cut batches short
+    assert _ids(await read_stream(topo, "east", "FB5")) == list(range(n)), "out of order, lost or stored twice"
