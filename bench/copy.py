@@ -5,9 +5,9 @@
   same messages back from pc1 to ltm. Target: ferry >= 1.0x shovels.
 - JetStream, R3 stream in east -> R3 stream in west: server-side stream sourcing
   (a stream in west with `sources: [SRC]`) against ferry ordered (one task) and
-  ferry with 2 and 4 partitions, each into a plain stream (an ack per message)
-  and into one with `allow_batched` (fast batch publishing). Target: ferry >=
-  0.5x sourcing.
+  ferry parallel with 1, 2 and 4 partitions, each into a plain stream (an ack per
+  message) and into one with `allow_batched` (fast batch publishing). Target:
+  ferry >= 0.5x sourcing.
 
 Rates are messages / seconds of movement (ferry: the copy job, without the
 Spark session start-up, which is reported separately as wall time). CPU: the
@@ -239,8 +239,8 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
 
     cases = [("ordered", [], False), ("ordered, batched", [], True)]
     for k in partitions:
-        cases += [(f"{k} partitions", ["--partitions", str(k)], False)]
-        cases += [(f"{k} partitions, batched", ["--partitions", str(k)], True)]
+        flags = ["--mode", "parallel", "--partitions", str(k)]
+        cases += [(f"{k} partitions", flags, False), (f"{k} partitions, batched", flags, True)]
     for i, (label, flags, batched) in enumerate(cases):
         dest = f"COPY{i}"
         asyncio.run(_stream(topo, "west", dest, subjects=[f"c{i}.bench.>"], allow_batched=batched))
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="100,000 messages")
     parser.add_argument("--only", choices=["rabbitmq", "jetstream"])
-    parser.add_argument("--partitions", default="2,4", help="parallel cases (1 partition is the ordered case)")
+    parser.add_argument("--partitions", default="1,2,4", help="the parallel cases")
     parser.add_argument("--ferry-args", default="", help="extra arguments for every `ferry copy`")
     args = parser.parse_args()
     n = 100_000 if args.quick else args.messages

@@ -320,7 +320,7 @@ class BatchPublisher:
         self._reply_to = b""
         self._sent = 0  # batch sequences sent
         self._acked = 0  # batch sequences 1.._acked stored
-        self._every = 8  # the stream's ack interval (its first answer says)
+        self._ahead = 32  # how far past the last ack to send: _AHEAD times the stream's ack interval
         self._unacked: deque[_Queued] = deque()  # batch sequences _acked+1.._sent, in order
         self._last_subject = b""
         self._committed = False
@@ -351,7 +351,7 @@ class BatchPublisher:
         """Queue one message (waits while too far ahead of the stream's acks)."""
         if msg_id:
             headers = {**(headers or {}), MSG_ID: msg_id}
-        while self._ended_at is not None or self._sent - self._acked >= max(_AHEAD * self._every, 32):
+        while self._ended_at is not None or self._sent - self._acked >= self._ahead:
             await self._wait()
         self.stats.published += 1
         self._send(_Queued(subject.encode(), encode_headers(headers) if headers else b"", payload, time.monotonic()))
@@ -368,8 +368,10 @@ class BatchPublisher:
     # -- internals -----------------------------------------------------------------
 
     def _write(self, subject: bytes, seq: int, op: int, header: bytes = b"", payload: bytes = b"") -> None:
-        with contextlib.suppress(FerryError):  # not connected and its buffer full: a gap, recovered below
+        try:  # noqa: SIM105 (contextlib.suppress costs a context manager per message)
             self.nc.publish_raw(subject, b"%s.%d.%d.$FI" % (self._reply_to, seq, op), header, payload)
+        except FerryError:
+            pass  # not connected and its buffer full: a gap, which ends the batch and is sent again
 
     def _send(self, q: _Queued) -> None:
         self._sent += 1
@@ -382,7 +384,7 @@ class BatchPublisher:
         self._batch = secrets.token_hex(8)
         self._reply_to = f"{self._inbox}.{self._batch}.{_FLOW}.fail".encode()
         self._sent = self._acked = 0
-        self._every = 8
+        self._ahead = 32
         self._committed = False
         self._ended_at = None
         self._progress, self._pinged = time.monotonic(), 0.0
@@ -430,7 +432,7 @@ class BatchPublisher:
             return
         kind = resp.get("type")
         if kind == "ack":
-            self._every = max(1, int(resp.get("msgs") or 1))
+            self._ahead = max(_AHEAD * int(resp.get("msgs") or 1), 32)
             self._confirm(int(resp.get("seq") or 0))
         elif "batch" in resp:  # the PubAck: the batch is over, 1..count stored
             self._confirm(int(resp.get("count") or 0))

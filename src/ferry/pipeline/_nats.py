@@ -52,19 +52,20 @@ class Msg:
 def parse_headers(block: bytes) -> dict[str, str]:
     """``NATS/1.0[ status[ description]]\\r\\nKey: value\\r\\n...`` as nats-py presents it: the
     status under ``Status`` and ``Description``, the last value of a repeated key."""
-    lines = block.decode(errors="replace").split("\r\n")
+    first, _, rest = block.decode(errors="replace").partition("\r\n")
     out: dict[str, str] = {}
-    status = lines[0][8:].strip()
+    status = first[8:].strip()
     if status:
         code, _, desc = status.partition(" ")
         out["Status"] = code
         if desc:
             out["Description"] = desc
-    for line in lines[1:]:
+    for line in rest.split("\r\n"):
         key, sep, value = line.partition(":")
-        key = key.strip()
-        if sep and key and " " not in key and "\t" not in key:
-            out[key] = value.strip()
+        if sep:
+            key = key.strip()
+            if key and " " not in key and "\t" not in key:
+                out[key] = value.strip()
     return out
 
 
