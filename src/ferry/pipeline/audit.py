@@ -24,6 +24,7 @@ reorder check. Delays use the ``Ferry-Sent`` header (``x-ferry-sent``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ from ferry.errors import ConfigError, NotFound
 __all__ = ["audit", "tier_frame", "verdict"]
 
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
+_DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
+_DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) count as this
+_NOT_COUNTERS = {"bucket", "dbin", "unexpected", "delays", "dmin", "dmax", "faulty"}
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
@@ -70,10 +74,9 @@ def audit(
     source, subject and producer; producer and sequence are part of every ferry
     message id) and its delay (the ``Ferry-Sent`` header); copies are then
     aggregated per id and joined once with the ledger (a shuffled hash join);
-    three small collects read the result (per bucket, overall statistics and
-    the delay histogram, the faulty ids).
+    one aggregation per send-time bucket and fine delay bin reads the result,
+    faulty ids included (up to ``4 * max_listed`` per group), without caching it.
     """
-    from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -121,15 +124,18 @@ def audit(
         joined = led.join(per_id.hint("shuffle_hash"), "id", "full_outer").withColumns(
             {"known": F.col("outcome").isNotNull(), "present": F.col("copies").isNotNull(), "corrupt": corrupt}
         )
-        joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
-
-        buckets = (
-            joined.where("known")
-            .groupBy("bucket")
+        lost = ~F.col("present") & F.col("outcome").isin("acked", "not_asked")
+        faulty = ~F.col("known") | lost | (F.col("copies") > 1) | F.col("corrupt")
+        fine = F.ceil(F.log2(F.greatest(F.col("delay_ms"), F.lit(_DELAY_FLOOR))) * _DELAY_STEPS)
+        known = F.col("known")
+        # one pass, per send-time bucket and fine delay bin; ids never sent have no bucket, and the
+        # per-bucket counters are read only from rows with one
+        groups = (
+            joined.groupBy("bucket", fine.alias("dbin"))
             .agg(
-                F.count("*").alias("sent"),
+                n(known).alias("sent"),
                 n(F.col("outcome") == "acked").alias("acked"),
-                n(F.col("present")).alias("present"),
+                n(known & F.col("present")).alias("present"),
                 n(~F.col("present") & (F.col("outcome") == "acked")).alias("lost_acked"),
                 n(~F.col("present") & (F.col("outcome") == "not_asked")).alias("lost_not_asked"),
                 n(~F.col("present") & (F.col("outcome") == "error")).alias("absent_after_error"),
@@ -138,66 +144,53 @@ def audit(
                 n(F.col("corrupt")).alias("corrupted"),
                 n(F.col("reord") == 1).alias("reordered"),
                 F.sum(F.coalesce(F.col("copies"), F.lit(0))).alias("copies_held"),
-            )
-            .orderBy("bucket")
-            .collect()
-        )
-        rows = [{k: int(v or 0) for k, v in b.asDict().items()} for b in buckets]
-        totals = {k: sum(r[k] for r in rows) for k in rows[0] if k != "bucket"} if rows else {}
-        totals["lost"] = totals.get("lost_acked", 0) + totals.get("lost_not_asked", 0)
-
-        bins = F.pow(F.lit(2), F.ceil(F.log2(F.greatest(F.col("delay_ms"), F.lit(1.0)))))
-        stats = (
-            joined.groupBy()
-            .agg(
-                F.sum(F.when(~F.col("known"), F.col("copies"))).alias("unexpected"),
-                F.percentile_approx("delay_ms", [0.5, 0.9, 0.99], 1000).alias("pcts"),
-                F.max("delay_ms").alias("max"),
+                F.sum(F.when(~known, F.col("copies"))).alias("unexpected"),
                 F.count("delay_ms").alias("delays"),
-                *(n(bins == 2**k).alias(f"le{2**k}") for k in range(_DELAY_BINS)),
-                n(bins > 2 ** (_DELAY_BINS - 1)).alias("beyond"),
+                F.min("delay_ms").alias("dmin"),
+                F.max("delay_ms").alias("dmax"),
+                F.slice(
+                    F.collect_list(
+                        F.when(
+                            faulty,
+                            F.struct("id", "known", lost.alias("lost"), (F.col("copies") > 1).alias("dup"), "corrupt"),
+                        )
+                    ),
+                    1,
+                    4 * max_listed,
+                ).alias("faulty"),
             )
-            .collect()[0]
-        )
-        delay = None
-        if stats["delays"]:
-            p50, p90, p99 = stats["pcts"]
-            hist = [{"le_ms": 2**k, "count": int(stats[f"le{2**k}"] or 0)} for k in range(_DELAY_BINS)]
-            hist.append({"le_ms": int(stats["max"]) + 1, "count": int(stats["beyond"] or 0)})
-            while hist and hist[-1]["count"] == 0:
-                hist.pop()
-            delay = {
-                "p50_ms": round(p50, 2),
-                "p90_ms": round(p90, 2),
-                "p99_ms": round(p99, 2),
-                "max_ms": round(stats["max"], 2),
-                "histogram": hist,
-            }
-
-        lost = ~F.col("present") & F.col("outcome").isin("acked", "not_asked")
-        faulty = (
-            joined.where(~F.col("known") | lost | (F.col("copies") > 1) | F.col("corrupt"))
-            .select("id", "bucket", "known", lost.alias("lost"), (F.col("copies") > 1).alias("dup"), "corrupt")
-            .limit(4 * max_listed)
             .collect()
         )
-        faulty.sort(key=lambda r: r["id"] or "")
+        counters = [f for f in groups[0].asDict() if f not in _NOT_COUNTERS] if groups else []
+        per_bucket: dict[int, dict[str, int]] = {}
+        for g in groups:
+            if g["bucket"] is not None:
+                row = per_bucket.setdefault(g["bucket"], {"bucket": g["bucket"]} | dict.fromkeys(counters, 0))
+                for k in counters:
+                    row[k] += int(g[k] or 0)
+        rows = [per_bucket[b] for b in sorted(per_bucket)]
+        totals = {k: sum(r[k] for r in rows) for k in counters}
+        totals["lost"] = totals.get("lost_acked", 0) + totals.get("lost_not_asked", 0)
+        unexpected = sum(int(g["unexpected"] or 0) for g in groups)
+        delay = _delay_summary([g for g in groups if g["delays"]])
+        faults = sorted(
+            ({**f.asDict(), "bucket": g["bucket"]} for g in groups for f in g["faulty"]), key=lambda f: f["id"] or ""
+        )
 
-        def listed(flag: str, rows: list[Any] = faulty) -> list[dict[str, Any]]:
+        def listed(flag: str, rows: list[dict[str, Any]] = faults) -> list[dict[str, Any]]:
             return [{"id": r["id"], "bucket": r["bucket"]} for r in rows if r[flag] and r["known"]][:max_listed]
 
         report["tiers"][name] = {
             **totals,
-            "unexpected": int(stats["unexpected"] or 0),
-            "tier_messages": totals.get("copies_held", 0) + int(stats["unexpected"] or 0),
+            "unexpected": unexpected,
+            "tier_messages": totals.get("copies_held", 0) + unexpected,
             "delay": delay,
             "buckets": rows,
             "lost_ids": listed("lost"),
             "duplicated_ids": listed("dup"),
             "corrupted_ids": listed("corrupt"),
-            "unexpected_ids": [r["id"] or "(no Ferry-Id)" for r in faulty if not r["known"]][:100],
+            "unexpected_ids": [r["id"] or "(no Ferry-Id)" for r in faults if not r["known"]][:100],
         }
-        joined.unpersist()
     totals = (
         led.groupBy()
         .agg(
@@ -223,3 +216,39 @@ def verdict(report: dict[str, Any], max_lost: int = 0, max_dup: int = 0) -> list
         if t.get("extra_copies", 0) > max_dup:
             failures.append(f"{name}: {t['extra_copies']} duplicate copies (max {max_dup})")
     return failures
+
+
+def _delay_summary(bins: list[Any]) -> dict[str, Any] | None:
+    """Percentiles, maximum and the doubling histogram from the fine delay bins (each with its
+    count, smallest and largest delay): a percentile is interpolated within its bin, between the
+    delays the bin really holds, so it is off by less than the bin's 2.2 %."""
+    if not bins:
+        return None
+    bins = sorted(bins, key=lambda b: b["dbin"])
+    total = sum(b["delays"] for b in bins)
+
+    def pct(p: float) -> float:
+        rank, seen = p * total, 0
+        for b in bins:
+            if seen + b["delays"] >= rank:
+                frac = (rank - seen) / b["delays"]
+                return b["dmin"] + (b["dmax"] - b["dmin"]) * frac
+            seen += b["delays"]
+        return bins[-1]["dmax"]
+
+    hist = [0] * (_DELAY_BINS + 1)  # <= 2**k ms for k < _DELAY_BINS, then beyond
+    for b in bins:
+        k = max(0, math.ceil(b["dbin"] / _DELAY_STEPS))  # (2**((dbin-1)/STEPS), 2**(dbin/STEPS)] is within <= 2**k
+        hist[min(k, _DELAY_BINS)] += b["delays"]
+    histogram = [{"le_ms": 2**k, "count": hist[k]} for k in range(_DELAY_BINS)]
+    dmax = max(b["dmax"] for b in bins)
+    histogram.append({"le_ms": int(dmax) + 1, "count": hist[_DELAY_BINS]})
+    while histogram and histogram[-1]["count"] == 0:
+        histogram.pop()
+    return {
+        "p50_ms": round(pct(0.5), 2),
+        "p90_ms": round(pct(0.9), 2),
+        "p99_ms": round(pct(0.99), 2),
+        "max_ms": round(dmax, 2),
+        "histogram": histogram,
+    }

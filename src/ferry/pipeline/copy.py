@@ -242,7 +242,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
                 raise NotFound(f"{dst}: stream {dst.stream!r} does not exist (pass --create to create it)") from None
             info = await _create_stream(topology, plan, jsm)
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
-        _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.12 drop the setting
+        _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
         if plan.source.kind != "jetstream" or info.state.messages == 0:
             return
         source_name = f"{plan.source.cluster}/{plan.source.stream}"

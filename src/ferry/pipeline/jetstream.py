@@ -24,7 +24,7 @@ Options (all strings):
   with ``Nats-Expected-Last-Sequence``; needs a single writer task and exclusive
   writes to the destination), ``batched`` (``true``: fast batch publishing, the
   stream acknowledging every few hundred messages instead of each; needs
-  nats-server 2.12+ and a stream with ``allow_batched``; ``window`` does not
+  nats-server 2.14+ and a stream with ``allow_batched``; ``window`` does not
   apply, the stream paces it), ``origin_headers`` (``true``: add
   ``Ferry-Source`` and ``Ferry-Source-Seq``), ``subject_prefix``, ``origin_site``
   (a relay's site: a message without ``Ferry-Origin-Site`` gets ``Ferry-Origin-Site``,
@@ -332,10 +332,15 @@ class _Puller:
             await self.sub.unsubscribe()
 
 
-async def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
+def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
     """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order, in
     the lists the server sent: (message, sequence, stored time in ns); publish-time directives
-    (``Nats-Expected-*``) dropped from the headers."""
+    (``Nats-Expected-*``) dropped from the headers. The next pulls are on the wire while the
+    caller works on a list (or waits: a writer for its acks)."""
+    return _read_ahead(_pulled(cfg, part))
+
+
+async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
     source = f"{cfg.name}/{part.stream}"
     next_seq = part.lo
     deadline = time.monotonic() + 120
@@ -410,9 +415,7 @@ async def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, 
 async def _read_ahead(
     lists: AsyncIterator[list[tuple[Any, int, int]]], depth: int = 2
 ) -> AsyncIterator[list[tuple[Any, int, int]]]:
-    """`lists` pulled up to `depth` lists ahead by a task of their own, so that the next pull is
-    on the wire while the consumer waits (a writer for its acks): without it a copy of one
-    partition alternated between reading and writing."""
+    """`lists` pulled up to `depth` lists ahead by a task of their own."""
     queue: asyncio.Queue[Any] = asyncio.Queue(depth)
     end = object()
 
@@ -442,7 +445,7 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
     """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
     source = f"{cfg.name}/{part.stream}"
     builder = BatchBuilder()
-    async for got in _read_ahead(pulled(cfg, part)):
+    async for got in pulled(cfg, part):
         for m, seq, ts_ns in got:
             builder.add(m.subject, m.data, m.headers, (m.headers or {}).get(MSG_ID), source, seq, ts_ns // 1000)
         if len(builder) >= cfg.batch_size:
@@ -456,7 +459,7 @@ async def read_rows(cfg: ReadConfig, part: Range) -> AsyncIterator[tuple[Any, ..
     msg id, source, seq), without building Arrow batches: what tasks that read and write at once
     (a copy between streams, a relay) use."""
     source = f"{cfg.name}/{part.stream}"
-    async for got in _read_ahead(pulled(cfg, part)):
+    async for got in pulled(cfg, part):
         for m, seq, _ in got:
             headers = m.headers or {}
             yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
