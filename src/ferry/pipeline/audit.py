@@ -75,7 +75,7 @@ def audit(
     message id) and its delay (the ``Ferry-Sent`` header); copies are then
     aggregated per id and joined once with the ledger (a shuffled hash join);
     one aggregation per send-time bucket and fine delay bin reads the result,
-    faulty ids included (up to ``4 * max_listed`` per group), without caching it.
+    a bounded sample of the faulty ids included, without caching it.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -135,7 +135,7 @@ def audit(
             .agg(
                 n(known).alias("sent"),
                 n(F.col("outcome") == "acked").alias("acked"),
-                n(known & F.col("present")).alias("present"),
+                n(F.col("present")).alias("present"),
                 n(~F.col("present") & (F.col("outcome") == "acked")).alias("lost_acked"),
                 n(~F.col("present") & (F.col("outcome") == "not_asked")).alias("lost_not_asked"),
                 n(~F.col("present") & (F.col("outcome") == "error")).alias("absent_after_error"),
@@ -156,7 +156,9 @@ def audit(
                         )
                     ),
                     1,
-                    4 * max_listed,
+                    # lost ids have no delay: all of a bucket's are in one group; a group with delays
+                    # is one of up to hundreds per bucket (duplicated, corrupted, unexpected)
+                    F.when(fine.isNull(), 4 * max_listed).otherwise(max(1, max_listed // 16)),
                 ).alias("faulty"),
             )
             .collect()
