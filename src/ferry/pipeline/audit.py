@@ -126,7 +126,8 @@ def audit(
         )
         lost = ~F.col("present") & F.col("outcome").isin("acked", "not_asked")
         faulty = ~F.col("known") | lost | (F.col("copies") > 1) | F.col("corrupt")
-        fine = F.ceil(F.log2(F.greatest(F.col("delay_ms"), F.lit(_DELAY_FLOOR))) * _DELAY_STEPS)
+        d_ms = F.col("delay_ms")  # greatest() skips a null: keep the bin null without a delay
+        fine = F.when(d_ms.isNotNull(), F.ceil(F.log2(F.greatest(d_ms, F.lit(_DELAY_FLOOR))) * _DELAY_STEPS))
         known = F.col("known")
         # one pass, per send-time bucket and fine delay bin; ids never sent have no bucket, and the
         # per-bucket counters are read only from rows with one
