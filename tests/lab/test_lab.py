@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -51,7 +52,11 @@ async def test_supercluster_single_meta_leader_over_six_servers(supercluster: la
 
 async def test_every_endpoint_answers(supercluster: lab.LabState, rabbit_dr: lab.LabState) -> None:
     for state in (supercluster, rabbit_dr):
-        probes = await probe_all(profile_topology(state))
+        for _ in range(10):  # a server's MQTT listener answers once its JetStream state is ready (CI once: 3 s)
+            probes = await probe_all(profile_topology(state))
+            if probes and all(p.ok for p in probes):
+                break
+            await asyncio.sleep(2)
         assert probes and all(p.ok for p in probes), [p for p in probes if not p.ok]
         assert {p.endpoint for p in probes} >= {"client", "mqtt"}
 
