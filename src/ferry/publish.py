@@ -93,6 +93,11 @@ class _Pending:
     sent: float
 
 
+def _tick(ack_timeout: float) -> float:
+    """How often a publisher looks for overdue acks."""
+    return max(0.02, min(0.2, ack_timeout / 4))
+
+
 class Publisher:
     """Pipelined JetStream publisher with a bounded window and per-attempt ack deadlines."""
 
@@ -235,7 +240,7 @@ class Publisher:
         self._finish(token, p)
 
     async def _reap(self) -> None:
-        tick = max(0.02, min(0.2, self.ack_timeout / 4))
+        tick = _tick(self.ack_timeout)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
@@ -329,7 +334,7 @@ class BatchPublisher:
         self._progress = 0.0
         self._pinged = 0.0
         self._changed = asyncio.Event()
-        self._tick = max(0.02, min(0.2, ack_timeout / 4))
+        self._tick = _tick(ack_timeout)
 
     async def __aenter__(self) -> BatchPublisher:
         self._inbox = self.nc.new_inbox()

@@ -59,7 +59,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -593,11 +593,7 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> 
             async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
                 await _write_ordered(nc, w, cfg, rows, counts)
         else:
-            pub: Publisher | BatchPublisher = (
-                BatchPublisher(w, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
-                if cfg.batched
-                else Publisher(w, window=cfg.window, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after)
-            )
+            pub = _publisher(w, cfg)
             pacer = Pacer(cfg.rate)
             async with pub:
                 async for row in rows:
@@ -614,6 +610,25 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> 
                     f"messages not stored, first: {pub.stats.errors[0] if pub.stats.errors else '?'}"
                 )
     return counts
+
+
+def _publisher(
+    w: Wire, cfg: WriteConfig, on_failure: Callable[[Ack], None] | None = None
+) -> Publisher | BatchPublisher:
+    """The publisher `cfg` asks for. With `on_failure`, a writer that keeps order: each failed
+    message is reported (per-message acks), or the first refusal stops the batches (it raises
+    :class:`PublishError`)."""
+    if cfg.batched:
+        return BatchPublisher(
+            w, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after, stop_on_refusal=on_failure is not None
+        )
+    return Publisher(
+        w,
+        window=cfg.window,
+        ack_timeout=cfg.ack_timeout,
+        give_up_after=cfg.give_up_after,
+        on_ack=(lambda a: on_failure(a) if a.error else None) if on_failure else None,
+    )
 
 
 def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str], str]:
@@ -662,17 +677,7 @@ async def _write_ordered(
         nonlocal base, pending, stalled
         while pending:
             failures.clear()
-            pub: Publisher | BatchPublisher = (
-                BatchPublisher(w, ack_timeout=cfg.ack_timeout, give_up_after=cfg.give_up_after, stop_on_refusal=True)
-                if cfg.batched
-                else Publisher(
-                    w,
-                    window=cfg.window,
-                    ack_timeout=cfg.ack_timeout,
-                    give_up_after=cfg.give_up_after,
-                    on_ack=lambda a: failures.append(a) if a.error else None,
-                )
-            )
+            pub = _publisher(w, cfg, on_failure=failures.append)
             try:
                 async with pub:
                     for i, (subject, payload, hdrs, msg_id) in enumerate(pending):
