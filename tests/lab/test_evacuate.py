@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -610,7 +611,11 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
     assert set(leaders().values()) == {first.node}
     clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]
     try:
-        await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 30, "40 connections listed on rabbits-1")
+        try:
+            await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 60, "40 connections listed on rabbits-1")
+        except AssertionError as exc:  # CI saw this once: say what the management API listed instead
+            nodes = [c["node"] for c in rabbit_get(cluster, "/connections?columns=node")]
+            raise AssertionError(f"{exc}; listed per node: {Counter(nodes)}") from None
         args = ["cluster", "rebalance", "rabbits", "--abs-conn-threshold", "5", "--abs-sess-threshold", "2"]
         args += ["--wait-health-check", "1", "--wait-takeover", "0", "--conn-evict-rate", "20", "--json"]
         dry = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
