@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.prefill = 5_000
-    for name in ("preflight", "snapshot", "_watch", "reconcile", "stored_since", "read_captures", "missing"):
+    for name in ("preflight", "snapshot", "_watch", "reconcile", "stored_since", "read_captures", "missing", "_settle"):
         timed(mv, name, name)
     timed(mv.Guard, "start", "guard.start")
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))

@@ -541,8 +541,8 @@ def failback_cmd(
         abort=abort,
     )
 
-    def spark() -> Any:
-        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
+    def spark() -> Any:  # the queue mover reads with no data source
+        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
     with contextlib.ExitStack() as stack:
         bar: list[Callable[[int], None]] = []

@@ -458,7 +458,7 @@ async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], emi
 def _local_session() -> Any:
     from ferry.pipeline.spark import get_session
 
-    return get_session(app_name="ferry failback")
+    return get_session(app_name="ferry failback", data_sources=False)
 
 
 def _started(make: Callable[[], Any]) -> Callable[[], Any]:

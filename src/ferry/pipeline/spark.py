@@ -113,12 +113,19 @@ def _keep_archive(tmp: Path, archive: Path) -> None:
 
 
 def get_session(
-    master: str | None = None, remote: str | None = None, app_name: str = "ferry", light_jvm: bool = True, **conf: Any
+    master: str | None = None,
+    remote: str | None = None,
+    app_name: str = "ferry",
+    light_jvm: bool = True,
+    data_sources: bool = True,
+    **conf: Any,
 ) -> Any:
     """A SparkSession with ferry's data sources registered.
 
     ``light_jvm`` (local driver only): a JVM tuned for moving data; pass False for
-    jobs that compute in the JVM (the audit).
+    jobs that compute in the JVM (the audit). ``data_sources=False``: for jobs that read
+    with none (the queue mover); registering them sets up Spark SQL's session state,
+    about a second of the start-up here.
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -160,7 +167,8 @@ def get_session(
         raise ConfigError(
             f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}", hint=f"see {spark_log()}"
         ) from None
-    register(spark)
+    if data_sources:
+        register(spark)
     return spark
 
 
