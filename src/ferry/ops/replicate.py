@@ -117,12 +117,13 @@ async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
     return found
 
 
-async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) -> list[str]:
-    """Create the destination streams that are missing, like their sources; the names created."""
+async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) -> tuple[list[str], bool]:
+    """Create the destination streams that are missing, like their sources (allowing fast batch
+    publishing): the names created, and whether every destination stream allows batches."""
     from nats.js.api import RetentionPolicy
     from nats.js.errors import APIError, NotFoundError
 
-    created = []
+    created, batched = [], True
     async with (
         bnats.session(_cluster(topo, rep.source), name=CONTROL) as snc,
         bnats.session(_cluster(topo, rep.dest), name=CONTROL) as dnc,
@@ -137,15 +138,17 @@ async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) 
                 config.subjects = [rep.subject_prefix + s for s in config.subjects or []]
                 config.placement, config.mirror, config.sources = None, None, None
                 config.retention = RetentionPolicy.LIMITS
+                config.allow_batched = True  # so that the relay can publish in fast batches
                 try:
-                    await dnc.jsm().add_stream(config)
+                    config = (await dnc.jsm().add_stream(config)).config
                 except APIError as exc:
                     raise FerryError(f"cannot create {name} at {rep.dest}: {exc.description}") from None
                 created.append(name)
+            batched = batched and bool(config.allow_batched)  # servers before 2.14 drop the setting
             if config.retention != RetentionPolicy.LIMITS:
                 # the resume point is read from what the destination holds: it must not delete on its own
                 raise UsageError(f"{name} at {rep.dest} must have limits retention (it has {config.retention})")
-    return created
+    return created, batched
 
 
 # -- where the destination is ----------------------------------------------------------------
@@ -263,7 +266,9 @@ def held_everywhere(spark: Any, topo: Topology, rep: Replication, stream: str) -
     )
 
 
-def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, int], checkpoint: str) -> Any:
+def start_query(
+    spark: Any, topo: Topology, rep: Replication, after: dict[str, int], checkpoint: str, batched: bool = False
+) -> Any:
     """The relay: a streaming query over the source streams after `after`, one read task per stream
     per micro-batch, so each stream is relayed in its order (two tasks made a 10,000 msg/s cycle
     0.8 s instead of 1.5 s, but interleaved their ranges at the destination). Each read task publishes
@@ -274,7 +279,9 @@ def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, i
     Spark writes its offset and commit logs asynchronously (``asyncProgressTrackingEnabled``,
     which the noop sink supports): written in line they took about 125 ms of every micro-batch
     and were the lag's floor (p99 1.08 s at 10,000 msg/s, 0.27 s without them). Async logs may
-    lag the data after a crash, which costs nothing here: a relay never restarts from them."""
+    lag the data after a crash, which costs nothing here: a relay never restarts from them.
+
+    `batched`: every destination stream allows fast batch publishing (ferry creates them so)."""
     cfg = _write_cfg(topo, rep)
     relay_to = {
         "cluster": cfg.cluster,
@@ -282,6 +289,7 @@ def start_query(spark: Any, topo: Topology, rep: Replication, after: dict[str, i
         "origin_site": rep.source,
         "origin_headers": "false",
         "subject_prefix": rep.subject_prefix,
+        "batched": str(batched).lower(),
     }
     return (
         spark.readStream.format("jetstream")
@@ -355,10 +363,10 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
                 raise Conflict(
                     f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
                 )
-            return {**state, "created": await _ensure_streams(topo, rep, streams), "already": True}
+            return {**state, "created": (await _ensure_streams(topo, rep, streams))[0], "already": True}
         if state and j.owner_alive(state):
             raise Conflict(f"the relay {rep.source} -> {rep.dest} is still stopping; try again in a few seconds")
-        created = await _ensure_streams(topo, rep, streams)
+        created, _ = await _ensure_streams(topo, rep, streams)
         state = state or {"state": "defined"}
         new = {**state, **asdict(rep), "desired": "running"}
         if "source" in state and Replication.from_state(state) != rep:
@@ -522,7 +530,7 @@ class Relay:
         j = lease.j
         rep = Replication.from_state(j.state)
         streams = await _streams(_cluster(self.topo, rep.source), rep.streams, rep.source)
-        created = await _ensure_streams(self.topo, rep, streams)
+        created, batched = await _ensure_streams(self.topo, rep, streams)
         marker = j.state.get("marker") or {}
         if set(streams) <= set(marker):
             after, replayed, how = {s: int(marker[s]) for s in streams}, 0, "marker"
@@ -536,11 +544,11 @@ class Relay:
             self.emit("replayed", messages=replayed, seconds=round(time.monotonic() - t0, 2))
         if lease.lost.is_set():
             return "lost"
-        self.emit("resume", source=how, after=after, created=created)
+        self.emit("resume", source=how, after=after, created=created, batched=batched)
         j.state["progress"] = {s: {"relayed": n} for s, n in after.items()}
         await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
         checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
-        query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint)
+        query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched)
         tracker, warm = _Progress(self.topo, rep, after), False
         try:
             while not lease.lost.is_set():
