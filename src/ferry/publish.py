@@ -438,6 +438,7 @@ class BatchPublisher:
         kind = resp.get("type")
         if kind == "ack":
             self._ahead = max(_AHEAD * int(resp.get("msgs") or 1), 32)
+            self._changed.set()  # a wider window wakes a publisher waiting on the first ack (seq 0)
             self._confirm(int(resp.get("seq") or 0))
         elif "batch" in resp:  # the PubAck: the batch is over, 1..count stored
             self._confirm(int(resp.get("count") or 0))

@@ -78,6 +78,28 @@ async def test_leader_changes_mid_batch_lose_and_duplicate_nothing(supercluster:
     assert sorted(ids) == list(range(n)), "a message was lost or stored twice"
 
 
+async def test_the_first_flow_ack_lets_a_new_batch_go_on_at_once(supercluster: lab.LabState) -> None:
+    """A batch sends 32 messages, then waits for the stream's first flow ack (seq 0), which widens
+    the window. That ack must wake the publisher: waking at its next tick instead cost every new
+    batch 200 ms (a relay's micro-batch of 900 messages took 245 ms instead of 45). Here the tick
+    is a minute, so only the ack can wake it within the bound."""
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB6", ["fb6.>"], placement="east", allow_batched=True)
+    async with wire(topo.nats("east"), "east") as w:
+        pub = BatchPublisher(w, ack_timeout=1.0, give_up_after=60)
+        pub._tick = 60.0
+
+        async def batch(first: int) -> None:
+            async with pub:
+                for i in range(first, first + 100):
+                    await pub.publish(f"fb6.s{i % 7}", b"x" * 100, msg_id=f"m{i}")
+
+        await asyncio.wait_for(batch(0), 20)
+        await asyncio.wait_for(batch(100), 20)  # a second batch on the same publisher too
+    assert (pub.stats.stored, pub.stats.failed) == (200, 0)
+    assert _ids(await read_stream(topo, "east", "FB6")) == list(range(200))
+
+
 async def test_a_stream_that_does_not_allow_batches_is_a_config_error(supercluster: lab.LabState) -> None:
     topo = profile_topology(supercluster)
     await make_stream(topo, "east", "FB4", ["fb4.>"], placement="east")
