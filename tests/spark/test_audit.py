@@ -162,6 +162,15 @@ def test_clean_tier_passes(spark: Any, tmp_path: Path) -> None:
     assert t["tier_messages"] == report["sent"]["sent"] == 90 and verdict(report) == []
 
 
+def test_no_corruption_is_claimed_without_a_hash(spark: Any, tmp_path: Path) -> None:
+    ledger = _ledger(1, 20, 2, ["acked"])
+    for row in ledger[:10]:
+        row["hash"] = None  # a ledger that recorded no payload hash for these
+    tier = _tier(ledger, set(), {}, corrupt={3, 15}, swaps=[], strangers=0)
+    t = _run(spark, tmp_path, ledger, tier)["tiers"]["t"]
+    assert t["corrupted"] == 1 and [r["id"] for r in t["corrupted_ids"]] == [ledger[15]["id"]]
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_faults_match_brute_force(spark: Any, tmp_path_factory: pytest.TempPathFactory, data: Any) -> None:

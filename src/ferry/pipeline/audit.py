@@ -207,10 +207,10 @@ def _hash64(hex_digest: Any) -> Any:
     """A ledger's payload hash (16 hex digits of sha256) as a long, for the comparison per id: a
     fixed-width value lets Spark aggregate copies in a hash map (a string's minimum makes it sort
     them). xxhash64 is as collision-proof as the 64-bit hash it stands for, and cheaper than
-    parsing the digits (`conv`)."""
+    parsing the digits (`conv`). No hash stays null (xxhash64 would give its seed)."""
     from pyspark.sql import functions as F
 
-    return F.xxhash64(hex_digest)
+    return F.when(hex_digest.isNotNull(), F.xxhash64(hex_digest))
 
 
 def verdict(report: dict[str, Any], max_lost: int = 0, max_dup: int = 0) -> list[str]:
