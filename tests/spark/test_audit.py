@@ -126,12 +126,12 @@ def _expected(ledger: list[dict[str, Any]], tier: list[dict[str, Any]]) -> dict[
     }
 
 
-def _run(spark: Any, tmp: Path, ledger: list[dict[str, Any]], tier: list[dict[str, Any]]) -> dict[str, Any]:
+def _run(spark: Any, tmp: Path, ledger: list[dict[str, Any]], tier: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
     (tmp / "ledger").mkdir()
     pq.write_table(pa.Table.from_pylist(ledger, schema=LEDGER_SCHEMA), tmp / "ledger" / "part-0.parquet")
     pq.write_table(pa.Table.from_pylist(tier, schema=ARROW_SCHEMA), tmp / "tier.parquet")
     frame = spark.read.parquet(str(tmp / "tier.parquet"))
-    return audit(spark, str(tmp / "ledger"), {"t": frame}, bucket_s=1)
+    return audit(spark, str(tmp / "ledger"), {"t": frame}, bucket_s=1, **kw)
 
 
 def test_fixed_faults_are_counted_exactly(spark: Any, tmp_path: Path) -> None:
@@ -160,6 +160,20 @@ def test_clean_tier_passes(spark: Any, tmp_path: Path) -> None:
     t = report["tiers"]["t"]
     assert t["lost"] == t["extra_copies"] == t["unexpected"] == t["reordered"] == t["corrupted"] == 0
     assert t["tier_messages"] == report["sent"]["sent"] == 90 and verdict(report) == []
+
+
+def test_faults_beyond_the_listed_ones_are_still_counted(spark: Any, tmp_path: Path) -> None:
+    ledger = _ledger(1, 60, 1, ["acked"])  # 20 messages a second: 3 buckets
+    lost, dup, corrupt = set(range(0, 60, 2)), dict.fromkeys(range(1, 20, 2), 1), set(range(21, 60, 2))
+    tier = _tier(ledger, drop=lost, dup=dup, corrupt=corrupt, swaps=[], strangers=5)
+    t = _run(spark, tmp_path, ledger, tier, max_listed=1)["tiers"]["t"]  # 4 lost ids a bucket, 1 a delay bin
+    expected = _expected(ledger, tier)
+    assert {k: t[k] for k in expected} == expected
+    assert t["lost"] == 30 and t["extra_copies"] == 10 and t["corrupted"] == 20 and t["unexpected"] == 5
+    assert (
+        len(t["lost_ids"]) == len(t["duplicated_ids"]) == len(t["corrupted_ids"]) == 1
+        and sum(b["lost_acked"] for b in t["buckets"]) == 30
+    )
 
 
 def test_no_corruption_is_claimed_without_a_hash(spark: Any, tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ __all__ = ["audit", "tier_frame", "verdict"]
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 _DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
 _DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) count as this
-_NOT_COUNTERS = {"bucket", "dbin", "unexpected", "delays", "dmin", "dmax", "fault", "rank"}
+_NOT_COUNTERS = {"bucket", "dbin", "unexpected", "delays", "dmin", "dmax", "fault"}
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
@@ -153,10 +153,17 @@ def audit(
             F.max("delay_ms").alias("dmax"),
         )
         # a bounded sample of the faulty ids: lost ids have no delay, so all of a bucket's share one
-        # bin; a bin with delays is one of up to hundreds per bucket (duplicated, corrupted, unexpected)
-        rank = F.row_number().over(Window.partitionBy("bucket", "dbin").orderBy(F.col("fault.id")))
+        # bin; a bin with delays is one of up to hundreds per bucket (duplicated, corrupted, unexpected).
+        # The faulty ids beyond it are folded into their bin's unlisted group: counted, not listed.
+        in_bin = Window.partitionBy("bucket", "dbin").orderBy(F.col("fault").isNull(), F.col("fault.id"))
         limit = F.when(F.col("dbin").isNull(), 4 * max_listed).otherwise(max(1, max_listed // 16))
-        groups = grouped.withColumn("rank", rank).where(F.col("fault").isNull() | (F.col("rank") <= limit)).collect()
+        summed = [c for c in grouped.columns if c not in ("bucket", "dbin", "fault", "dmin", "dmax")]
+        groups = (
+            grouped.withColumn("fault", F.when(F.row_number().over(in_bin) <= limit, F.col("fault")))
+            .groupBy("bucket", "dbin", "fault")
+            .agg(*[F.sum(c).alias(c) for c in summed], F.min("dmin").alias("dmin"), F.max("dmax").alias("dmax"))
+            .collect()
+        )
         counters = [f for f in groups[0].asDict() if f not in _NOT_COUNTERS] if groups else []
         per_bucket: dict[int, dict[str, int]] = {}
         for g in groups:
@@ -227,10 +234,16 @@ def verdict(report: dict[str, Any], max_lost: int = 0, max_dup: int = 0) -> list
 def _delay_summary(bins: list[Any]) -> dict[str, Any] | None:
     """Percentiles, maximum and the doubling histogram from the fine delay bins (each with its
     count, smallest and largest delay): a percentile is interpolated within its bin, between the
-    delays the bin really holds, so it is off by less than the bin's 2.2 %."""
+    delays the bin really holds, so it is off by less than the bin's 2.2 %. Groups of the same bin
+    (from several buckets, or faulty ids) are merged first."""
     if not bins:
         return None
-    bins = sorted(bins, key=lambda b: b["dbin"])
+    merged: dict[int, dict[str, Any]] = {}
+    for b in bins:
+        m = merged.setdefault(b["dbin"], {"dbin": b["dbin"], "delays": 0, "dmin": b["dmin"], "dmax": b["dmax"]})
+        m["delays"] += b["delays"]
+        m["dmin"], m["dmax"] = min(m["dmin"], b["dmin"]), max(m["dmax"], b["dmax"])
+    bins = [merged[k] for k in sorted(merged)]
     total = sum(b["delays"] for b in bins)
 
     def pct(p: float) -> float:
