@@ -35,7 +35,6 @@ __all__ = ["audit", "tier_frame", "verdict"]
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 _DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
 _DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) count as this
-_NOT_COUNTERS = {"bucket", "dbin", "unexpected", "delays", "dmin", "dmax", "fault"}
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
@@ -164,7 +163,7 @@ def audit(
             .agg(*[F.sum(c).alias(c) for c in summed], F.min("dmin").alias("dmin"), F.max("dmax").alias("dmax"))
             .collect()
         )
-        counters = [f for f in groups[0].asDict() if f not in _NOT_COUNTERS] if groups else []
+        counters = [c for c in summed if c not in ("unexpected", "delays")] if groups else []
         per_bucket: dict[int, dict[str, int]] = {}
         for g in groups:
             if g["bucket"] is not None:

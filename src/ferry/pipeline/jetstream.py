@@ -708,7 +708,7 @@ async def _write_ordered(
             if pending and stored == 0 and (bad or stalled >= 10):
                 reason = bad[0].error if bad else "no progress after 10 attempts"
                 raise FerryError(f"jetstream ordered write to {cfg.stream}: {reason}")
-            if stalled:  # a leader election refuses quick attempts: back off (6.5 s over 10 of them)
+            if stalled:  # a leader election refuses quick attempts: back off (5.5 s before the 10th)
                 await asyncio.sleep(min(1.0, 0.05 * 2 ** (stalled - 1)))
 
     async for row in rows:
