@@ -160,6 +160,50 @@ def test_a_connection_dropped_mid_batch_loses_no_message(
     assert seqs == list(range(1, N + 1)), f"{len(seqs)} messages, the first gap after seq {gap}"
 
 
+def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
+    supercluster: lab.LabState, source_stream: str
+) -> None:
+    """A relay's read task keeps its connections and consumer for its next micro-batch: the next
+    range goes on with the same consumer, a range elsewhere gets a fresh one (the old one deleted).
+    Either way each message reaches the destination once, in order."""
+    from ferry.pipeline import _kept
+    from ferry.pipeline import jetstream as pj
+
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "west", "CRELAY", ["relay.csrc.>"], replicas=1, placement="west"))
+    cfg = pj.ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=(source_stream,))
+    to = pj.WriteConfig(
+        cluster=topo.nats("west").model_dump_json(),
+        name="west",
+        origin_site="east",
+        origin_headers=False,
+        subject_prefix="relay.",
+    )
+
+    def relay(lo: int, hi: int) -> tuple[int, int, str | None]:
+        counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=1000))
+        return counts.stored, counts.duplicates, _kept._entries[("relay", cfg, to, source_stream)][1].reader.consumer
+
+    first = relay(1, 10_000)
+    assert first[:2] == (10_000, 0) and first[2]
+    assert relay(10_001, 25_000) == (15_000, 0, first[2]), "the next range did not go on with the consumer"
+    again = relay(5_001, 6_000)
+    assert again[:2] == (0, 1_000), "a range relayed again was stored again"
+    assert again[2] not in (None, first[2])
+    assert relay(25_001, N)[:2] == (N - 25_000, 0)
+
+    async def gone() -> bool:
+        async with bnats.session(topo.nats("east")) as nc:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await nc.jsm().consumer_info(source_stream, first[2])
+                return False
+            return True
+
+    assert asyncio.run(gone()), "a consumer left behind when a range started elsewhere"
+    seqs = [int(dict(r["headers"])["Ferry-Origin-Seq"]) for r in asyncio.run(read_stream(topo, "west", "CRELAY"))]
+    assert seqs == list(range(1, N + 1))
+
+
 @pytest.mark.parametrize("mode", ["ordered", "parallel", "ordered-batched"])
 def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
     """ordered-batched: into a stream that allows fast batch publishing, which the copy then uses."""

@@ -80,6 +80,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.pipeline import _kept
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
 from ferry.pipeline._nats import Wire, wire
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
@@ -213,11 +214,11 @@ class Range(InputPartition):
 
 
 async def stream_states(
-    cluster: NatsCluster, streams: Iterable[str], subject: str | None = None, name: str = ""
+    cluster: NatsCluster, streams: Iterable[str], subject: str | None = None, name: str = "", nc: Any = None
 ) -> dict[str, dict[str, int]]:
-    """first_seq, last_seq and messages (matching `subject` when given) per stream."""
+    """first_seq, last_seq and messages (matching `subject` when given) per stream (on `nc` if given)."""
     out = {}
-    async with bnats.session(cluster, name=name) as nc:
+    async with contextlib.nullcontext(nc) if nc else bnats.session(cluster, name=name) as nc:
         jsm = nc.jsm()
         for stream in streams:
             try:
@@ -234,6 +235,17 @@ async def stream_states(
                 "all_messages": st.messages,
             }
     return out
+
+
+async def _kept_states(cfg: ReadConfig) -> dict[str, dict[str, int]]:
+    """:func:`stream_states` of a streaming read's streams, on a connection kept between micro-batches."""
+    key = ("states", cfg.cluster, cfg.name)
+    nc = await _kept.get(key, lambda: bnats.connect(cfg.nats(), name=cfg.name))
+    try:
+        return await stream_states(cfg.nats(), cfg.streams, None, cfg.name, nc)
+    except BaseException:
+        await _kept.drop(key)
+        raise
 
 
 def _fetch_size(st: dict[str, int], given: int | None) -> int:
@@ -341,75 +353,134 @@ def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, i
 
 
 async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
-    source = f"{cfg.name}/{part.stream}"
-    next_seq = part.lo
-    deadline = time.monotonic() + 120
-    async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc, wire(cfg.nats(), cfg.name) as w:
-        jsm = nc.jsm(timeout=10)
-        done = False
-        while not done and next_seq <= part.hi:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=next_seq,
-                ack_policy=AckPolicy.NONE,
-                filter_subject=cfg.subject,
-                inactive_threshold=60.0,
-                mem_storage=True,
-                num_replicas=1,
-            )
+    reader = await _Reader.open(cfg, part.stream)
+    try:
+        async for got in reader.lists(part):
+            yield got
+    finally:
+        await reader.close()
+
+
+class _Reader:
+    """Reads ranges of one stream through an ephemeral consumer (no acks) it creates where a
+    range starts. With ``keep``, the consumer stays after a range that ended cleanly, and the
+    next range that starts right after it goes on with it (a relay's micro-batches)."""
+
+    def __init__(self, cfg: ReadConfig, stream: str, nc: Any, w: Wire) -> None:
+        self.cfg, self.stream, self.nc, self.w = cfg, stream, nc, w
+        self.source = f"{cfg.name}/{stream}"
+        self.consumer: str | None = None
+        self.puller: _Puller | None = None
+        self.delivered = 0  # the consumer's own numbering: a gap is a lost part of a batch
+        self.next_seq = 0  # where the kept consumer stands
+
+    @classmethod
+    async def open(cls, cfg: ReadConfig, stream: str) -> _Reader:
+        nc = await bnats.connect(cfg.nats(), name=cfg.name, timeout=30)
+        try:
+            return cls(cfg, stream, nc, await Wire.open(cfg.nats(), cfg.name, timeout=30))
+        except BaseException:
+            await nc.close()
+            raise
+
+    async def close(self) -> None:
+        await self._drop()
+        await self.w.close()
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+    async def _drop(self) -> None:
+        if self.puller:
+            await self.puller.stop()
+        if self.consumer:
+            with contextlib.suppress(Exception):
+                await self.nc.jsm(timeout=10).delete_consumer(self.stream, self.consumer)
+        self.consumer, self.puller = None, None
+
+    async def _create(self, seq: int, deadline: float) -> bool:
+        """A consumer from `seq` on (False: nothing there yet)."""
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=seq,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self.cfg.subject,
+            inactive_threshold=60.0,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        while True:
             try:
-                info = await jsm.add_consumer(part.stream, config)
+                info = await self.nc.jsm(timeout=10).add_consumer(self.stream, config)
+                break
             except (ServiceUnavailableError, NatsTimeout, TimeoutError):
                 if time.monotonic() > deadline:
-                    raise FerryError(f"jetstream: cannot create a reader on {source} (no leader?)") from None
+                    raise FerryError(f"jetstream: cannot create a reader on {self.source} (no leader?)") from None
                 await asyncio.sleep(0.5)
-                continue
             except NotFoundError:
-                raise NotFound(f"stream {part.stream!r} not found in cluster {cfg.name}", stream=part.stream) from None
-            if info.num_pending == 0:
-                break
-            puller = _Puller(w, part.stream, info.name)
-            await puller.start()
-            # the consumer numbers what it delivers: a gap is the rest of a batch lost with a dropped
-            # connection (the consumer, acking nothing, goes on after it), so read again from next_seq
-            delivered, gap = 0, False
-            try:
-                while not done and not gap:
-                    try:
-                        msgs = await puller.pull(min(part.fetch, part.hi - next_seq + 1))
-                    except TimeoutError:
-                        if time.monotonic() > deadline:
-                            raise FerryError(f"jetstream: {source} stopped answering at seq {next_seq}") from None
-                        break  # recreate the consumer from next_seq
-                    if not msgs:
-                        break  # nothing now: the consumer may have been lost; recreate and re-check pending
-                    deadline = time.monotonic() + 120
-                    got = []
-                    for m in msgs:
-                        seq, cseq, ts_ns, pending = _ack_fields(m.reply)
-                        if cseq != delivered + 1:
-                            gap = True
-                            break
-                        delivered = cseq
-                        if seq < next_seq:
-                            continue
-                        if seq > part.hi:
-                            done = True
-                            break
-                        if m.headers:
-                            for directive in _EXPECTED:  # publish-time checks, not message data
-                                m.headers.pop(directive, None)
-                        got.append((m, seq, ts_ns))
-                        next_seq = seq + 1
-                        if pending == 0 or seq == part.hi:
-                            done = True
-                            break
-                    if got:
-                        yield got
-            finally:
-                await puller.stop()
-                with contextlib.suppress(Exception):
-                    await jsm.delete_consumer(part.stream, info.name)
+                raise NotFound(
+                    f"stream {self.stream!r} not found in cluster {self.cfg.name}", stream=self.stream
+                ) from None
+        self.consumer, self.delivered = info.name, 0
+        if info.num_pending == 0:
+            await self._drop()
+            return False
+        self.puller = _Puller(self.w, self.stream, info.name)
+        await self.puller.start()
+        return True
+
+    async def lists(self, part: Range, keep: bool = False) -> AsyncIterator[list[tuple[Any, int, int]]]:
+        """The messages of `part` in order, in the lists the server sent (see :func:`pulled`)."""
+        if self.consumer and part.lo != self.next_seq:
+            await self._drop()
+        next_seq, clean = part.lo, False
+        deadline = time.monotonic() + 120
+        try:
+            while next_seq <= part.hi:
+                if not self.consumer and not await self._create(next_seq, deadline):
+                    break
+                assert self.puller is not None
+                try:
+                    msgs = await self.puller.pull(min(part.fetch, part.hi - next_seq + 1))
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise FerryError(f"jetstream: {self.source} stopped answering at seq {next_seq}") from None
+                    await self._drop()  # recreate the consumer from next_seq
+                    continue
+                if not msgs:  # nothing now: the consumer may have been lost; recreate and re-check pending
+                    await self._drop()
+                    continue
+                deadline = time.monotonic() + 120
+                got, stop = [], False
+                for i, m in enumerate(msgs):
+                    seq, cseq, ts_ns, pending = _ack_fields(m.reply)
+                    if cseq != self.delivered + 1 or seq > part.hi:
+                        # a gap (the rest of a batch lost with a dropped connection: the consumer,
+                        # acking nothing, goes on after it), or past the range: read again from next_seq
+                        await self._drop()
+                        stop = seq > part.hi
+                        break
+                    self.delivered = cseq
+                    if seq < next_seq:
+                        continue
+                    if m.headers:
+                        for directive in _EXPECTED:  # publish-time checks, not message data
+                            m.headers.pop(directive, None)
+                    got.append((m, seq, ts_ns))
+                    next_seq = seq + 1
+                    if pending == 0 or seq == part.hi:
+                        stop = True
+                        if i < len(msgs) - 1:  # the rest would be lost to the next range
+                            await self._drop()
+                        break
+                if got:
+                    yield got
+                if stop:
+                    break
+            clean = True
+        finally:
+            self.next_seq = next_seq
+            if not (keep and clean):
+                await self._drop()
 
 
 async def _read_ahead(
@@ -454,22 +525,56 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
         yield builder.flush()
 
 
-async def read_rows(cfg: ReadConfig, part: Range) -> AsyncIterator[tuple[Any, ...]]:
-    """The messages of `part` as the rows :func:`write_rows` publishes (subject, payload, headers,
-    msg id, source, seq), without building Arrow batches: what tasks that read and write at once
-    (a copy between streams, a relay) use."""
+async def read_rows(
+    cfg: ReadConfig, part: Range, lists: AsyncIterator[list[tuple[Any, int, int]]] | None = None
+) -> AsyncIterator[tuple[Any, ...]]:
+    """The messages of `part` (pulled, or from `lists`) as the rows :func:`write_rows` publishes
+    (subject, payload, headers, msg id, source, seq), without building Arrow batches: what tasks
+    that read and write at once (a copy between streams, a relay) use."""
     source = f"{cfg.name}/{part.stream}"
-    async for got in pulled(cfg, part):
+    async for got in lists or pulled(cfg, part):
         for m, seq, _ in got:
             headers = m.headers or {}
             yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
 
 
-async def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
+class _RelayLink:
+    """A relay's reader on one source stream and its connection to the destination, kept by the
+    Python worker from one micro-batch to the next (:mod:`ferry.pipeline._kept`)."""
+
+    def __init__(self, reader: _Reader, dest: Wire) -> None:
+        self.reader, self.dest = reader, dest
+
+    @classmethod
+    async def open(cls, cfg: ReadConfig, to: WriteConfig, stream: str) -> _RelayLink:
+        reader = await _Reader.open(cfg, stream)
+        try:
+            return cls(reader, await Wire.open(to.nats(), to.name, timeout=30))
+        except BaseException:
+            await reader.close()
+            raise
+
+    async def close(self) -> None:
+        await self.reader.close()
+        await self.dest.close()
+
+
+def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
     """Publish to `to` the messages of `part` first stored here (without ``Ferry-Origin-Site``):
-    what a relay's read task does."""
-    rows = (row async for row in read_rows(cfg, part) if ORIGIN_SITE_HDR not in row[2])
-    return await write_rows(to, rows)
+    what a relay's read task does, on connections and a consumer kept from its last range."""
+    return _kept.run(_relay(cfg, to, part))
+
+
+async def _relay(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
+    key = ("relay", cfg, to, part.stream)
+    link = await _kept.get(key, lambda: _RelayLink.open(cfg, to, part.stream))
+    try:
+        lists = _read_ahead(link.reader.lists(part, keep=True))
+        rows = (row async for row in read_rows(cfg, part, lists) if ORIGIN_SITE_HDR not in row[2])
+        return await write_rows(to, rows, link.dest)
+    except BaseException:
+        await _kept.drop(key)
+        raise
 
 
 class JetStreamReader(DataSourceReader):
@@ -500,7 +605,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.target: dict[str, int] | None = None
 
     def _states(self) -> dict[str, dict[str, int]]:
-        return asyncio.run(stream_states(self.cfg.nats(), self.cfg.streams, None, self.cfg.name))
+        return _kept.run(_kept_states(self.cfg))
 
     def initialOffset(self) -> dict[str, int]:
         states = self._states()
@@ -543,7 +648,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         if self.relay:
-            return iter([asyncio.run(relay_range(self.cfg, self.relay, partition)).as_batch()])
+            return iter([relay_range(self.cfg, self.relay, partition).as_batch()])
         return iterate(read_range(self.cfg, partition))
 
     def commit(self, end: dict[str, int]) -> None:
@@ -584,11 +689,11 @@ async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
     return await write_rows(cfg, _each_row(batches))
 
 
-async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]]) -> WriteCounts:
-    """Publish every row (subject, payload, headers as a dict or pairs, msg id, source, seq);
-    raise if any message could not be stored."""
+async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], dest: Wire | None = None) -> WriteCounts:
+    """Publish every row (subject, payload, headers as a dict or pairs, msg id, source, seq), on
+    `dest` if given (else a connection of its own); raise if any message could not be stored."""
     counts = WriteCounts()
-    async with wire(cfg.nats(), cfg.name) as w:
+    async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name) as w:
         if cfg.ordered:
             async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
                 await _write_ordered(nc, w, cfg, rows, counts)
