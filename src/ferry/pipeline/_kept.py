@@ -4,11 +4,10 @@ A relay calls into Python every micro-batch (every 200 ms or so): Spark's
 source process asks for the streams' last sequences, a reused Python worker
 relays one range per stream. With ``asyncio.run`` per call, each call opened
 its connections and created a consumer, then closed them with its loop: about
-20 ms of a micro-batch here, and a fixed cost is paid again for every message
-that arrives while it runs. Here one event loop per process runs in a daemon
-thread, and what a call opens on it (connections, a consumer and where it
-stands) stays open for the next call under a key, until it has been idle for
-``IDLE`` seconds. An entry is anything with ``async close()``.
+20 ms of every micro-batch here, which every message arriving meanwhile waits
+for too. Here one event loop per process runs in a daemon thread, and what a
+call opens on it (connections, a consumer and where it stands) stays open for
+the next call under a key, until it has been idle for ``IDLE`` seconds. An entry is anything with ``async close()``.
 """
 
 from __future__ import annotations

@@ -453,11 +453,12 @@ class _Reader:
                 got, stop = [], False
                 for i, m in enumerate(msgs):
                     seq, cseq, ts_ns, pending = _ack_fields(m.reply)
-                    if cseq != self.delivered + 1 or seq > part.hi:
-                        # a gap (the rest of a batch lost with a dropped connection: the consumer,
-                        # acking nothing, goes on after it), or past the range: read again from next_seq
+                    gap = cseq != self.delivered + 1  # the rest of a batch lost with a dropped connection
+                    if gap or seq > part.hi:
+                        # the consumer, acking nothing, went on after the gap: read again from next_seq
+                        # (or the range is done: with a subject filter, the next match is past it)
                         await self._drop()
-                        stop = seq > part.hi
+                        stop = not gap
                         break
                     self.delivered = cseq
                     if seq < next_seq:
