@@ -200,6 +200,7 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
             return True
 
     assert asyncio.run(gone()), "a consumer left behind when a range started elsewhere"
+    _kept.run(_kept._drop(("relay", cfg, to, source_stream)))
     seqs = [int(dict(r["headers"])["Ferry-Origin-Seq"]) for r in asyncio.run(read_stream(topo, "west", "CRELAY"))]
     assert seqs == list(range(1, N + 1))
 

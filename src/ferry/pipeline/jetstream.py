@@ -239,13 +239,8 @@ async def stream_states(
 
 async def _kept_states(cfg: ReadConfig) -> dict[str, dict[str, int]]:
     """:func:`stream_states` of a streaming read's streams, on a connection kept between micro-batches."""
-    key = ("states", cfg.cluster, cfg.name)
-    nc = await _kept.get(key, lambda: bnats.connect(cfg.nats(), name=cfg.name))
-    try:
+    async with _kept.using(("states", cfg.cluster, cfg.name), lambda: bnats.connect(cfg.nats(), name=cfg.name)) as nc:
         return await stream_states(cfg.nats(), cfg.streams, None, cfg.name, nc)
-    except BaseException:
-        await _kept.drop(key)
-        raise
 
 
 def _fetch_size(st: dict[str, int], given: int | None) -> int:
@@ -568,14 +563,11 @@ def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
 
 async def _relay(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
     key = ("relay", cfg, to, part.stream)
-    link = await _kept.get(key, lambda: _RelayLink.open(cfg, to, part.stream))
-    try:
+    async with _kept.using(key, lambda: _RelayLink.open(cfg, to, part.stream)) as link:
         lists = _read_ahead(link.reader.lists(part, keep=True))
-        rows = (row async for row in read_rows(cfg, part, lists) if ORIGIN_SITE_HDR not in row[2])
-        return await write_rows(to, rows, link.dest)
-    except BaseException:
-        await _kept.drop(key)
-        raise
+        async with contextlib.aclosing(lists):  # its read-ahead task must not outlive a failed write
+            rows = (row async for row in read_rows(cfg, part, lists) if ORIGIN_SITE_HDR not in row[2])
+            return await write_rows(to, rows, link.dest)
 
 
 class JetStreamReader(DataSourceReader):
