@@ -8,7 +8,8 @@ its connections and created a consumer, then closed them with its loop: about
 for too. Here one event loop per process runs in a daemon thread, and what a
 call opens on it (connections, a consumer and where it stands) stays open for
 the next call under a key, until it has been idle for ``IDLE`` seconds (less
-than the 60 s after which the server deletes an idle reader's consumer). An entry is anything with ``async close()``.
+than the 60 s after which the server deletes an idle reader's consumer). An
+entry is anything with ``async close()``.
 """
 
 from __future__ import annotations
