@@ -87,7 +87,7 @@ class PublishStats:
 class _Pending:
     subject: str
     payload: bytes
-    headers: dict[str, str] | None
+    headers: dict[str, str] | bytes | None
     ack: Ack
     first_sent: float
     sent: float
@@ -156,12 +156,13 @@ class Publisher:
         subject: str,
         payload: bytes = b"",
         *,
-        headers: dict[str, str] | None = None,
+        headers: dict[str, str] | bytes | None = None,
         msg_id: str | None = None,
         ctx: Any = None,
     ) -> None:
-        """Queue one message (waits while the window is full)."""
-        if msg_id:
+        """Queue one message (waits while the window is full). `headers` may be a block already
+        encoded (ferry's Wire only), which then carries `msg_id` itself."""
+        if msg_id and not isinstance(headers, bytes):
             headers = {**(headers or {}), MSG_ID: msg_id}
         await self._slots.acquire()
         now = time.monotonic()
@@ -351,10 +352,16 @@ class BatchPublisher:
                 await self._sub.unsubscribe()
 
     async def publish(
-        self, subject: str, payload: bytes = b"", *, headers: dict[str, str] | None = None, msg_id: str | None = None
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        headers: dict[str, str] | bytes | None = None,
+        msg_id: str | None = None,
     ) -> None:
-        """Queue one message (waits while too far ahead of the stream's acks)."""
-        if msg_id:
+        """Queue one message (waits while too far ahead of the stream's acks); `headers` as for
+        :meth:`Publisher.publish`."""
+        if msg_id and not isinstance(headers, bytes):
             headers = {**(headers or {}), MSG_ID: msg_id}
         while self._ended_at is not None or self._sent - self._acked >= self._ahead:
             await self._wait()

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from ferry.pipeline._nats import encode_headers, parse_headers
+from ferry.pipeline._nats import encode_headers, header_value, parse_headers
+from ferry.pipeline.jetstream import WriteConfig, _message
 
 keys = st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters=":"), min_size=1, max_size=20)
 values = st.text(st.characters(exclude_categories=("Cs", "Cc", "Zl", "Zp")), max_size=40).map(str.strip)
@@ -37,3 +38,32 @@ def test_round_trip_matches_nats_py(headers: dict[str, str]) -> None:
 )
 def test_status_lines_and_odd_lines_match_nats_py(block: bytes) -> None:
     assert parse_headers(block) == nats_py(block)
+
+
+special = st.sampled_from(["Nats-Msg-Id", "Ferry-Source", "Ferry-Source-Seq", "Ferry-Origin-Site", "Ferry-Origin-Seq"])
+row_headers = st.dictionaries(
+    st.one_of(keys.filter(lambda k: not k.startswith("Nats-Expected")), special), values, max_size=6
+)
+configs = st.builds(
+    WriteConfig,
+    cluster=st.just("{}"),
+    name=st.just("west"),
+    stream=st.sampled_from([None, "DEST"]),
+    subject_prefix=st.sampled_from(["", "relay."]),
+    origin_headers=st.booleans(),
+    origin_site=st.sampled_from(["", "nyc"]),
+)
+
+
+@given(configs, row_headers, st.integers(1, 10**12))
+def test_a_received_header_block_is_published_as_its_parsed_headers_would_be(
+    cfg: WriteConfig, headers: dict[str, str], seq: int
+) -> None:
+    """A copy passes a message's header block on with lines added instead of parsing and encoding
+    it again: the headers it publishes are the same either way."""
+    block = encode_headers(headers)
+    raw = _message(cfg, ("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), "east/S", seq))
+    parsed = _message(cfg, ("a.b", b"x", headers, headers.get("Nats-Msg-Id"), "east/S", seq))
+    assert raw[:2] == parsed[:2] and raw[3] == parsed[3]
+    published = {**raw[2], "Nats-Msg-Id": raw[3]} if isinstance(raw[2], dict) else parse_headers(raw[2])
+    assert published == {**parsed[2], "Nats-Msg-Id": parsed[3]}

@@ -37,16 +37,26 @@ from urllib.parse import urlsplit
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.topology import NatsCluster
 
-__all__ = ["Msg", "Wire", "encode_headers", "parse_headers", "wire"]
+__all__ = ["Msg", "Wire", "encode_headers", "header_value", "parse_headers", "wire"]
 
 
 class Msg:
-    """A delivered message; the attributes nats-py's ``Msg`` has that ferry reads."""
+    """A delivered message; the attributes nats-py's ``Msg`` has that ferry reads. `raw` is its
+    header block as it came (None: no headers, or edited ones), parsed on first use of ``headers``;
+    a copy between streams passes it on as it is."""
 
-    __slots__ = ("data", "headers", "reply", "subject")
+    __slots__ = ("_headers", "data", "raw", "reply", "subject")
 
-    def __init__(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
-        self.subject, self.reply, self.data, self.headers = subject, reply, data, headers
+    def __init__(
+        self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None = None, raw: bytes | None = None
+    ) -> None:
+        self.subject, self.reply, self.data, self._headers, self.raw = subject, reply, data, headers, raw
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self._headers is None and self.raw is not None:
+            self._headers = parse_headers(self.raw)
+        return self._headers
 
 
 def parse_headers(block: bytes) -> dict[str, str]:
@@ -69,7 +79,19 @@ def parse_headers(block: bytes) -> dict[str, str]:
     return out
 
 
-def encode_headers(headers: dict[str, str]) -> bytes:
+def header_value(block: bytes, key: bytes) -> str | None:
+    """The first value of `key` in an encoded header block, without parsing the rest."""
+    at = block.find(b"\r\n" + key + b":")
+    if at < 0:
+        return None
+    start = at + len(key) + 3
+    return block[start : block.index(b"\r\n", start)].decode(errors="replace").strip()
+
+
+def encode_headers(headers: dict[str, str] | bytes) -> bytes:
+    """A header block (one already encoded is returned as it is)."""
+    if isinstance(headers, bytes):
+        return headers
     if not headers:
         return b"NATS/1.0\r\n\r\n"
     return ("NATS/1.0\r\n" + "\r\n".join([f"{k}: {v}" for k, v in headers.items()]) + "\r\n\r\n").encode()
@@ -138,7 +160,7 @@ class Wire:
         return sub
 
     async def publish(
-        self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+        self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | bytes | None = None
     ) -> None:
         self.publish_raw(subject.encode(), reply.encode(), encode_headers(headers) if headers else b"", payload)
         if self._writer and self._writer.transport.get_write_buffer_size() > 8_000_000:
@@ -316,8 +338,8 @@ class Wire:
                     reply = args[3].decode() if len(args) == (6 if hmsg else 5) else ""
                     if hmsg:
                         hdr_len = int(args[-2])
-                        headers = parse_headers(bytes(buf[start : start + hdr_len]))
-                        sub.cb(Msg(args[1].decode(), reply, bytes(buf[start + hdr_len : stop]), headers))
+                        raw = bytes(buf[start : start + hdr_len])
+                        sub.cb(Msg(args[1].decode(), reply, bytes(buf[start + hdr_len : stop]), raw=raw))
                     else:
                         sub.cb(Msg(args[1].decode(), reply, bytes(buf[start:stop]), None))
                     continue

@@ -82,7 +82,7 @@ from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.pipeline import _kept
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
-from ferry.pipeline._nats import Wire, wire
+from ferry.pipeline._nats import Wire, header_value, parse_headers, wire
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
 from ferry.publish import (
     MSG_ID,
@@ -117,6 +117,9 @@ _EXPECTED = (
     "Nats-Expected-Last-Subject-Sequence",
     "Nats-Expected-Last-Msg-Id",
 )
+_MSG_ID = MSG_ID.encode()
+_ORIGIN_SITE_LINE = f"\r\n{ORIGIN_SITE_HDR}:".encode()  # in an encoded header block
+_NO_HEADERS = b"NATS/1.0\r\n\r\n"
 _WRONG_LAST_SEQ = 10071
 
 
@@ -458,9 +461,11 @@ class _Reader:
                     self.delivered = cseq
                     if seq < next_seq:
                         continue
-                    if m.headers:
-                        for directive in _EXPECTED:  # publish-time checks, not message data
-                            m.headers.pop(directive, None)
+                    if m.raw is not None and b"Nats-Expected-" in m.raw:  # publish-time checks, not data
+                        headers = m.headers or {}
+                        for directive in _EXPECTED:
+                            headers.pop(directive, None)
+                        m.raw = None
                     got.append((m, seq, ts_ns))
                     next_seq = seq + 1
                     if pending == 0 or seq == part.hi:
@@ -522,16 +527,27 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
 
 
 async def read_rows(
-    cfg: ReadConfig, part: Range, lists: AsyncIterator[list[tuple[Any, int, int]]] | None = None
+    cfg: ReadConfig,
+    part: Range,
+    lists: AsyncIterator[list[tuple[Any, int, int]]] | None = None,
+    relayed: bool = True,
 ) -> AsyncIterator[tuple[Any, ...]]:
     """The messages of `part` (pulled, or from `lists`) as the rows :func:`write_rows` publishes
     (subject, payload, headers, msg id, source, seq), without building Arrow batches: what tasks
-    that read and write at once (a copy between streams, a relay) use."""
+    that read and write at once (a copy between streams, a relay) use. Headers are the block as
+    received, unparsed (bytes), when the message came with one. Without `relayed`, the messages
+    a relay wrote here (with ``Ferry-Origin-Site``) are left out."""
     source = f"{cfg.name}/{part.stream}"
     async for got in lists or pulled(cfg, part):
         for m, seq, _ in got:
-            headers = m.headers or {}
-            yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
+            raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS
+            if raw is not None:
+                if relayed or _ORIGIN_SITE_LINE not in raw:
+                    yield m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq
+            else:
+                headers = m.headers or {}
+                if relayed or ORIGIN_SITE_HDR not in headers:
+                    yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
 
 
 class _RelayLink:
@@ -566,8 +582,7 @@ async def _relay(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
     async with _kept.using(key, lambda: _RelayLink.open(cfg, to, part.stream)) as link:
         lists = _read_ahead(link.reader.lists(part, keep=True))
         async with contextlib.aclosing(lists):  # its read-ahead task must not outlive a failed write
-            rows = (row async for row in read_rows(cfg, part, lists) if ORIGIN_SITE_HDR not in row[2])
-            return await write_rows(to, rows, link.dest)
+            return await write_rows(to, read_rows(cfg, part, lists, relayed=False), link.dest)
 
 
 class JetStreamReader(DataSourceReader):
@@ -729,8 +744,15 @@ def _publisher(
     )
 
 
-def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str], str]:
+def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str] | bytes, str]:
+    """(subject, payload, headers, msg id) to publish for a row; the headers an encoded block
+    (carrying the msg id) when the row came with one that only needs lines added."""
     subject, payload, headers, msg_id, source, seq = row
+    if isinstance(headers, bytes):
+        # else lines to replace, or an empty msg id to drop
+        if msg_id != "" and not (cfg.origin_headers and b"\r\nFerry-Source" in headers):
+            return _added(cfg, subject, payload, headers, msg_id, source, seq)
+        headers = parse_headers(headers)
     pairs = headers.items() if isinstance(headers, dict) else headers or ()
     hdrs = {k: v for k, v in pairs if k not in _EXPECTED and k != MSG_ID}
     if cfg.origin_headers and source is not None and seq is not None:
@@ -745,6 +767,33 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     if cfg.stream:
         hdrs["Nats-Expected-Stream"] = cfg.stream
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
+
+
+def _with(headers: dict[str, str] | bytes, key: str, value: str) -> dict[str, str] | bytes:
+    """`headers` (a dict, or an encoded block) and key: value."""
+    if isinstance(headers, bytes):
+        return headers[:-2] + f"{key}: {value}\r\n\r\n".encode()
+    return {**headers, key: value}
+
+
+def _added(
+    cfg: WriteConfig, subject: str, payload: bytes, block: bytes, msg_id: str | None, source: str, seq: int
+) -> tuple[str, bytes, bytes, str]:
+    """What :func:`_message` publishes, as the received header block with the same lines added."""
+    add = ""
+    if cfg.origin_headers and source is not None and seq is not None:
+        add += f"{SOURCE_HDR}: {source}\r\n{SOURCE_SEQ_HDR}: {seq}\r\n"
+    if cfg.origin_site and _ORIGIN_SITE_LINE not in block:
+        stream = (source or "").partition("/")[2]
+        add += f"{ORIGIN_SITE_HDR}: {cfg.origin_site}\r\n{ORIGIN_STREAM_HDR}: {stream}\r\n{ORIGIN_SEQ_HDR}: {seq}\r\n"
+        if msg_id:
+            add += f"{ORIGIN_MSG_ID_HDR}: {msg_id}\r\n"
+    if cfg.stream:
+        add += f"Nats-Expected-Stream: {cfg.stream}\r\n"
+    if not msg_id:
+        msg_id = f"{source}:{seq}"
+        add += f"{MSG_ID}: {msg_id}\r\n"
+    return cfg.subject_prefix + subject, payload or b"", block[:-2] + add.encode() + b"\r\n", msg_id
 
 
 async def _write_ordered(
@@ -764,7 +813,7 @@ async def _write_ordered(
     async def last_seq() -> int:
         return int((await jsm.stream_info(cfg.stream)).state.last_seq)
 
-    pending: list[tuple[str, bytes, dict[str, str], str]] = []  # unconfirmed, in order
+    pending: list[tuple[str, bytes, dict[str, str] | bytes, str]] = []  # unconfirmed, in order
     base = await last_seq()  # pending[0] expects `base`
     failures: list[Ack] = []
 
@@ -782,7 +831,7 @@ async def _write_ordered(
                         if failures:
                             break
                         await pacer.wait()
-                        headers = {**hdrs, "Nats-Expected-Last-Sequence": str(base + i)}
+                        headers = _with(hdrs, "Nats-Expected-Last-Sequence", str(base + i))
                         await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
             except PublishError as exc:  # batched: the stream refused a message; what it holds decides
                 code = int(exc.fields.get("err_code") or 0)  # type: ignore[call-overload]
