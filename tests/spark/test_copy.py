@@ -205,6 +205,42 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
     assert seqs == list(range(1, N + 1))
 
 
+def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_a_range(
+    supercluster: lab.LabState, source_stream: str
+) -> None:
+    """With a subject filter, a range ends at the first match past it: that message (and the
+    rest of its pull) waits for the next range, which goes on with the same consumer."""
+    from ferry.pipeline import _kept
+    from ferry.pipeline import jetstream as pj
+
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "west", "CRELAYF", ["relayf.csrc.>"], replicas=1, placement="west"))
+    cfg = pj.ReadConfig(
+        cluster=topo.nats("east").model_dump_json(), name="east", streams=(source_stream,), subject="csrc.s3"
+    )
+    to = pj.WriteConfig(
+        cluster=topo.nats("west").model_dump_json(),
+        name="west",
+        origin_site="east",
+        origin_headers=False,
+        subject_prefix="relayf.",
+    )
+    key = ("relay", cfg, to, source_stream)
+    consumers = []
+    for lo, hi in [(1, 9_990), (9_991, 9_999), (10_000, 30_000), (30_001, N)]:
+        counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=500))
+        assert counts.duplicates == 0
+        consumers.append(_kept._entries[key][1].reader.consumer)
+    _kept.run(_kept._drop(key))
+    assert consumers[0] and len(set(consumers)) == 1, "a filtered range did not go on with the consumer"
+    rows = asyncio.run(read_stream(topo, "west", "CRELAYF"))
+    assert {r["subject"] for r in rows} == {"relayf.csrc.s3"}
+    seqs = [int(dict(r["headers"])["Ferry-Origin-Seq"]) for r in rows]
+    assert seqs == [
+        r["source_seq"] for r in asyncio.run(read_stream(topo, "east", source_stream)) if r["subject"] == "csrc.s3"
+    ]
+
+
 @pytest.mark.parametrize("mode", ["ordered", "parallel", "ordered-batched"])
 def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
     """ordered-batched: into a stream that allows fast batch publishing, which the copy then uses."""

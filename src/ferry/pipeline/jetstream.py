@@ -297,18 +297,21 @@ class _Puller:
     faster. Each request asks for up to ``batch`` messages with ``no_wait``: the
     server sends what it has, then a status message (404/408) if it had fewer.
 
-    A request that times out part-way returns what came; the rest of it may still
-    arrive, and lands in the list the next :meth:`pull` returns (first, without a new
-    request while any is waiting), so no message the server sent is ever dropped.
+    One request is open at a time. A request that times out part-way returns what
+    came; the rest of it may still arrive, and lands in the list the next :meth:`pull`
+    returns, so no message the server sent is ever dropped. :meth:`prefetch` asks for
+    the next messages before anyone pulls them (a relay between its micro-batches).
     """
 
     def __init__(self, nc: Wire, stream: str, consumer: str) -> None:
         self.nc = nc
-        self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}".encode()
         self.inbox = nc.new_inbox()
         self.sub: Any = None
         self.got: list[Any] = []  # received, not yet returned
-        self.want = 0
+        self.left = 0  # what the open request may still bring
+        self.asked_at = 0.0  # when the last request was sent
+        self.status = ""  # how the server ended it, if it did
         self.done = asyncio.Event()
 
     async def start(self) -> None:
@@ -316,26 +319,38 @@ class _Puller:
 
     def _on_msg(self, msg: Any) -> None:
         if not msg.reply:  # a status message: no more for this request
+            self.left, self.status = 0, (msg.headers or {}).get("Status", "")
             self.done.set()
             return
         self.got.append(msg)
-        if len(self.got) >= self.want:
+        self.left -= 1
+        if self.left <= 0:
             self.done.set()
 
-    async def pull(self, batch: int, timeout: float = 5.0) -> list[Any]:
-        """The next messages in order: a late rest of the last request, else up to `batch` new ones
-        (an empty list when a status ends the request first; TimeoutError when nothing came)."""
-        if not self.got:
-            self.want = batch
+    def prefetch(self, batch: int) -> None:
+        """Ask for up to `batch` messages now, unless a request is open."""
+        if self.left <= 0:
+            self.left, self.asked_at, self.status = batch, time.monotonic(), ""
             self.done.clear()
-            await self.nc.publish(self.subject, b'{"batch":%d,"no_wait":true}' % batch, reply=self.inbox)
+            self.nc.publish_raw(self.subject, self.inbox.encode(), b"", b'{"batch":%d,"no_wait":true}' % batch)
+
+    async def pull(self, batch: int, timeout: float = 5.0) -> list[Any]:
+        """The next messages in order: what came already, else up to `batch` new ones (an empty
+        list when a status ends the request first; TimeoutError when nothing came)."""
+        if not self.got:
+            self.prefetch(batch)
             try:
                 await asyncio.wait_for(self.done.wait(), timeout)
             except TimeoutError:
+                self.left = 0  # that request is given up: the next pull asks again
                 if not self.got:
                     raise
         got, self.got = self.got, []
         return got
+
+    def put_back(self, msgs: list[Any]) -> None:
+        """Messages pulled but not used, for the next :meth:`pull` (they come before any later one)."""
+        self.got[:0] = msgs
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -431,7 +446,8 @@ class _Reader:
         if self.consumer and part.lo != self.next_seq:
             await self._drop()
         next_seq, clean = part.lo, False
-        deadline = time.monotonic() + 120
+        since = deadline = time.monotonic()
+        deadline += 120
         try:
             while next_seq <= part.hi:
                 if not self.consumer and not await self._create(next_seq, deadline):
@@ -444,19 +460,25 @@ class _Reader:
                         raise FerryError(f"jetstream: {self.source} stopped answering at seq {next_seq}") from None
                     await self._drop()  # recreate the consumer from next_seq
                     continue
-                if not msgs:  # nothing now: the consumer may have been lost; recreate and re-check pending
-                    await self._drop()
+                # what the server says is pending now ends the range only if it was asked after the
+                # range was planned (not prefetched): then nothing up to part.hi is left
+                fresh = self.puller.asked_at >= since
+                if not msgs:
+                    if fresh and self.puller.status == "404":  # no messages: the range is done
+                        next_seq = part.hi + 1
+                        break
+                    await self._drop()  # nothing now: the consumer may have been lost; recreate, check again
                     continue
                 deadline = time.monotonic() + 120
                 got, stop = [], False
                 for i, m in enumerate(msgs):
                     seq, cseq, ts_ns, pending = _ack_fields(m.reply)
-                    gap = cseq != self.delivered + 1  # the rest of a batch lost with a dropped connection
-                    if gap or seq > part.hi:
-                        # the consumer, acking nothing, went on after the gap: read again from next_seq
-                        # (or the range is done: with a subject filter, the next match is past it)
-                        await self._drop()
-                        stop = not gap
+                    if cseq != self.delivered + 1:  # the rest of a batch lost with a dropped connection:
+                        await self._drop()  # the consumer, acking nothing, went on; read again from next_seq
+                        break
+                    if seq > part.hi:  # done (with a subject filter, the next match is past the range)
+                        self.puller.put_back(msgs[i:])
+                        stop = True
                         break
                     self.delivered = cseq
                     if seq < next_seq:
@@ -468,20 +490,22 @@ class _Reader:
                         m.raw = None
                     got.append((m, seq, ts_ns))
                     next_seq = seq + 1
-                    if pending == 0 or seq == part.hi:
+                    if seq == part.hi or (pending == 0 and fresh):
+                        self.puller.put_back(msgs[i + 1 :])
                         stop = True
-                        if i < len(msgs) - 1:  # the rest would be lost to the next range
-                            await self._drop()
                         break
                 if got:
                     yield got
-                if stop:
+                if stop:  # nothing more up to part.hi
+                    next_seq = part.hi + 1
                     break
             clean = True
         finally:
             self.next_seq = next_seq
             if not (keep and clean):
                 await self._drop()
+            elif self.puller:  # the next range's first messages, while Spark plans it
+                self.puller.prefetch(part.fetch)
 
 
 async def _read_ahead(
