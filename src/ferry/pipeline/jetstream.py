@@ -299,8 +299,8 @@ class _Puller:
 
     One request is open at a time. A request that times out part-way returns what
     came; the rest of it may still arrive, and lands in the list the next :meth:`pull`
-    returns, so no message the server sent is ever dropped. :meth:`prefetch` asks for
-    the next messages before anyone pulls them (a relay between its micro-batches).
+    returns, so no message the server sent is ever dropped. :meth:`ask` can ask for
+    the next messages before anyone pulls them (a relay, between its micro-batches).
     """
 
     def __init__(self, nc: Wire, stream: str, consumer: str) -> None:
@@ -327,8 +327,8 @@ class _Puller:
         if self.left <= 0:
             self.done.set()
 
-    def prefetch(self, batch: int) -> None:
-        """Ask for up to `batch` messages now, unless a request is open."""
+    def ask(self, batch: int) -> None:
+        """Ask for up to `batch` messages (not waiting for them), unless a request is open."""
         if self.left <= 0:
             self.left, self.asked_at, self.status = batch, time.monotonic(), ""
             self.done.clear()
@@ -338,7 +338,7 @@ class _Puller:
         """The next messages in order: what came already, else up to `batch` new ones (an empty
         list when a status ends the request first; TimeoutError when nothing came)."""
         if not self.got:
-            self.prefetch(batch)
+            self.ask(batch)
             try:
                 await asyncio.wait_for(self.done.wait(), timeout)
             except TimeoutError:
@@ -504,8 +504,9 @@ class _Reader:
             self.next_seq = next_seq
             if not (keep and clean):
                 await self._drop()
-            elif self.puller:  # the next range's first messages, while Spark plans it
-                self.puller.prefetch(part.fetch)
+            elif self.puller:  # the next range's first messages, while Spark plans it (only a head start)
+                with contextlib.suppress(FerryError):
+                    self.puller.ask(part.fetch)
 
 
 async def _read_ahead(
@@ -564,7 +565,7 @@ async def read_rows(
     source = f"{cfg.name}/{part.stream}"
     async for got in lists or pulled(cfg, part):
         for m, seq, _ in got:
-            raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS
+            raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
             if raw is not None:
                 if relayed or _ORIGIN_SITE_LINE not in raw:
                     yield m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq
