@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from ferry.pipeline._nats import encode_headers, header_value, parse_headers
-from ferry.pipeline.jetstream import WriteConfig, _message
+from ferry.pipeline._nats import Msg, encode_headers, header_value, parse_headers
+from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, _message, read_rows
 
 keys = st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters=":"), min_size=1, max_size=20)
 values = st.text(st.characters(exclude_categories=("Cs", "Cc", "Zl", "Zp")), max_size=40).map(str.strip)
@@ -67,3 +69,33 @@ def test_a_received_header_block_is_published_as_its_parsed_headers_would_be(
     assert raw[:2] == parsed[:2] and raw[3] == parsed[3]
     published = {**raw[2], "Nats-Msg-Id": raw[3]} if isinstance(raw[2], dict) else parse_headers(raw[2])
     assert published == {**parsed[2], "Nats-Msg-Id": parsed[3]}
+
+
+spaced = special.flatmap(lambda k: st.sampled_from([k, f"{k} ", f" {k}"]))
+lines = st.lists(
+    st.tuples(st.one_of(keys.filter(lambda k: not k.startswith("Nats-Expected")), spaced), values), max_size=6
+)
+
+
+@given(configs, lines, st.sampled_from(["\r\n", ""]))
+def test_a_received_block_with_repeated_or_spaced_keys_is_published_as_parsed(
+    cfg: WriteConfig, pairs: list[tuple[str, str]], end: str
+) -> None:
+    """Blocks as other clients may write them (a key twice, spaces around a key, a missing last
+    line end) publish what the parsed headers would, and a relay leaves out the same messages."""
+    block = ("NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in pairs) + end).encode()
+    headers = parse_headers(block)
+    raw = _message(cfg, ("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), "east/S", 7))
+    parsed = _message(cfg, ("a.b", b"x", headers, headers.get("Nats-Msg-Id"), "east/S", 7))
+    assert raw[3] == parsed[3]
+    published = {**raw[2], "Nats-Msg-Id": raw[3]} if isinstance(raw[2], dict) else parse_headers(raw[2])
+    assert published == {**parsed[2], "Nats-Msg-Id": parsed[3]}
+
+    async def relayed() -> list[tuple[Any, ...]]:
+        async def lists() -> AsyncIterator[list[tuple[Msg, int, int]]]:
+            yield [(Msg("a.b", "", b"x", raw=block), 7, 0)]
+
+        rcfg = ReadConfig(cluster="{}", name="east", streams=("S",))
+        return [row async for row in read_rows(rcfg, Range("S", 7, 7), lists(), relayed=False)]
+
+    assert len(asyncio.run(relayed())) == (0 if "Ferry-Origin-Site" in headers else 1)

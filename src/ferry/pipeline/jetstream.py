@@ -330,9 +330,9 @@ class _Puller:
     def ask(self, batch: int) -> None:
         """Ask for up to `batch` messages (not waiting for them), unless a request is open."""
         if self.left <= 0:
+            self.nc.publish_raw(self.subject, self.inbox.encode(), b"", b'{"batch":%d,"no_wait":true}' % batch)
             self.left, self.asked_at, self.status = batch, time.monotonic(), ""
             self.done.clear()
-            self.nc.publish_raw(self.subject, self.inbox.encode(), b"", b'{"batch":%d,"no_wait":true}' % batch)
 
     async def pull(self, batch: int, timeout: float = 5.0) -> list[Any]:
         """The next messages in order: what came already, else up to `batch` new ones (an empty
@@ -342,8 +342,7 @@ class _Puller:
             try:
                 await asyncio.wait_for(self.done.wait(), timeout)
             except TimeoutError:
-                self.left = 0  # that request is given up: the next pull asks again
-                if not self.got:
+                if not self.got:  # (the caller drops this consumer) else the rest may still come
                     raise
         got, self.got = self.got, []
         return got
@@ -464,7 +463,9 @@ class _Reader:
                 # range was planned (not prefetched): then nothing up to part.hi is left
                 fresh = self.puller.asked_at >= since
                 if not msgs:
-                    if fresh and self.puller.status == "404":  # no messages: the range is done
+                    if not fresh:  # an early ask found nothing then: ask again
+                        continue
+                    if self.puller.status == "404":  # no messages: the range is done
                         next_seq = part.hi + 1
                         break
                     await self._drop()  # nothing now: the consumer may have been lost; recreate, check again
@@ -567,7 +568,7 @@ async def read_rows(
         for m, seq, _ in got:
             raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
             if raw is not None:
-                if relayed or _ORIGIN_SITE_LINE not in raw:
+                if relayed or b"Ferry-Origin-Site" not in raw or ORIGIN_SITE_HDR not in (m.headers or {}):
                     yield m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq
             else:
                 headers = m.headers or {}
@@ -723,7 +724,8 @@ async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
 
 
 async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], dest: Wire | None = None) -> WriteCounts:
-    """Publish every row (subject, payload, headers as a dict or pairs, msg id, source, seq), on
+    """Publish every row (subject, payload, headers as a dict, pairs or an encoded block, msg id,
+    source, seq), on
     `dest` if given (else a connection of its own); raise if any message could not be stored."""
     counts = WriteCounts()
     async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name) as w:
@@ -774,10 +776,10 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     (carrying the msg id) when the row came with one that only needs lines added."""
     subject, payload, headers, msg_id, source, seq = row
     if isinstance(headers, bytes):
-        # else lines to replace, or an empty msg id to drop
-        if msg_id != "" and not (cfg.origin_headers and b"\r\nFerry-Source" in headers):
+        if _plain(cfg, headers, msg_id):
             return _added(cfg, subject, payload, headers, msg_id, source, seq)
         headers = parse_headers(headers)
+        msg_id = headers.get(MSG_ID)
     pairs = headers.items() if isinstance(headers, dict) else headers or ()
     hdrs = {k: v for k, v in pairs if k not in _EXPECTED and k != MSG_ID}
     if cfg.origin_headers and source is not None and seq is not None:
@@ -794,6 +796,19 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
 
 
+def _plain(cfg: WriteConfig, block: bytes, msg_id: str | None) -> bool:
+    """Whether lines added to `block` publish what its parsed headers would: its msg id (if any)
+    in one plain line, its keys without spaces around the ones ferry reads, no Ferry-Source lines
+    to replace, and the block's usual end."""
+    return (
+        block.endswith(b"\r\n\r\n")
+        and msg_id != ""
+        and block.count(b"Nats-Msg-Id") == (0 if msg_id is None else 1)
+        and (b"Ferry-Origin-Site" in block) == (_ORIGIN_SITE_LINE in block)
+        and not (cfg.origin_headers and b"Ferry-Source" in block)
+    )
+
+
 def _with(headers: dict[str, str] | bytes, key: str, value: str) -> dict[str, str] | bytes:
     """`headers` (a dict, or an encoded block) and key: value."""
     if isinstance(headers, bytes):
@@ -802,7 +817,13 @@ def _with(headers: dict[str, str] | bytes, key: str, value: str) -> dict[str, st
 
 
 def _added(
-    cfg: WriteConfig, subject: str, payload: bytes, block: bytes, msg_id: str | None, source: str, seq: int
+    cfg: WriteConfig,
+    subject: str,
+    payload: bytes,
+    block: bytes,
+    msg_id: str | None,
+    source: str | None,
+    seq: int | None,
 ) -> tuple[str, bytes, bytes, str]:
     """What :func:`_message` publishes, as the received header block with the same lines added."""
     add = ""
