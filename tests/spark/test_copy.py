@@ -20,6 +20,7 @@ import pytest
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.lab.scenarios import fill_queue
+from ferry.pipeline.jetstream import ReadConfig, WriteConfig
 from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import (
@@ -160,6 +161,22 @@ def test_a_connection_dropped_mid_batch_loses_no_message(
     assert seqs == list(range(1, N + 1)), f"{len(seqs)} messages, the first gap after seq {gap}"
 
 
+def _relay_configs(
+    topo: Topology, source: str, dest: str, prefix: str, subject: str | None = None
+) -> tuple[ReadConfig, WriteConfig]:
+    """A relay's read (east `source`) and write configs, into a new R1 stream `dest` in west."""
+    asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], replicas=1, placement="west"))
+    cfg = ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=(source,), subject=subject)
+    to = WriteConfig(
+        cluster=topo.nats("west").model_dump_json(),
+        name="west",
+        origin_site="east",
+        origin_headers=False,
+        subject_prefix=prefix,
+    )
+    return cfg, to
+
+
 def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
     supercluster: lab.LabState, source_stream: str
 ) -> None:
@@ -170,15 +187,7 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
     from ferry.pipeline import jetstream as pj
 
     topo = profile_topology(supercluster)
-    asyncio.run(make_stream(topo, "west", "CRELAY", ["relay.csrc.>"], replicas=1, placement="west"))
-    cfg = pj.ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=(source_stream,))
-    to = pj.WriteConfig(
-        cluster=topo.nats("west").model_dump_json(),
-        name="west",
-        origin_site="east",
-        origin_headers=False,
-        subject_prefix="relay.",
-    )
+    cfg, to = _relay_configs(topo, source_stream, "CRELAY", "relay.")
 
     def relay(lo: int, hi: int) -> tuple[int, int, str | None]:
         counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=1000))
@@ -214,17 +223,7 @@ def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_
     from ferry.pipeline import jetstream as pj
 
     topo = profile_topology(supercluster)
-    asyncio.run(make_stream(topo, "west", "CRELAYF", ["relayf.csrc.>"], replicas=1, placement="west"))
-    cfg = pj.ReadConfig(
-        cluster=topo.nats("east").model_dump_json(), name="east", streams=(source_stream,), subject="csrc.s3"
-    )
-    to = pj.WriteConfig(
-        cluster=topo.nats("west").model_dump_json(),
-        name="west",
-        origin_site="east",
-        origin_headers=False,
-        subject_prefix="relayf.",
-    )
+    cfg, to = _relay_configs(topo, source_stream, "CRELAYF", "relayf.", subject="csrc.s3")
     key = ("relay", cfg, to, source_stream)
     consumers = []
     for lo, hi in [(1, 9_990), (9_991, 9_999), (10_000, 30_000), (30_001, N)]:

@@ -445,8 +445,8 @@ class _Reader:
         if self.consumer and part.lo != self.next_seq:
             await self._drop()
         next_seq, clean = part.lo, False
-        since = deadline = time.monotonic()
-        deadline += 120
+        since = time.monotonic()
+        deadline = since + 120
         try:
             while next_seq <= part.hi:
                 if not self.consumer and not await self._create(next_seq, deadline):
