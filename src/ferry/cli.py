@@ -1477,7 +1477,7 @@ def lab_up(
     t0 = time.perf_counter()
     state = lab.up(profile, _lab_dir(dir), timeout=timeout, log=lambda m: err.print(m), haproxy=haproxy)
     out.print(f"lab {profile}: {len(state.procs)} processes healthy in {time.perf_counter() - t0:.1f}s")
-    out.print(f"topology: {lab.lab_root() / 'topology.yaml'}")
+    out.print(f"topology: {(_lab_dir(dir) or lab.lab_root()) / 'topology.yaml'}")
     if state.lb:
         out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
         for name, urls in state.lb["clusters"].items():

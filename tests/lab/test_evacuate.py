@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -28,8 +29,9 @@ from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.base import mqtt_probe
 from ferry.brokers.rabbitmq import Management, amqp_connect
-from ferry.errors import BrokerUnavailable
+from ferry.errors import BrokerUnavailable, Conflict
 from ferry.ops import move as mv
+from ferry.ops.journal import ParamJournal
 from ferry.ops.nodes import RELOCATE_PREFIX, Asset
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, ferry, ferry_killed_when, fill_stream, judge, make_stream, wait_for
@@ -410,7 +412,8 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     try:
         wait_for(lambda: haproxy_up(state, "amqp_rabbits") == {n: n == first.name for n in nodes}, 15, "HAProxy")
         args = ["load", "rabbitmq://rabbits/%2F", "--url", state.lb["clusters"]["rabbits"]["amqp"]]
-        args += ["--producers", "40", "--rate", "200", "--duration", "15", "--subject", "evac.q.{n}"]
+        # long enough to outlast the herding, the hold's release and the evacuation's health-check wait
+        args += ["--producers", "40", "--rate", "200", "--duration", "25", "--subject", "evac.q.{n}"]
         args += ["--subjects", "4", "--ledger", str(tmp_path / "ledger")]
         load = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -589,6 +592,39 @@ async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
         await asyncio.to_thread(
             wait_for, lambda: supercluster.health().get("east-3") == "ok", 60, "east-3 to answer again"
         )
+
+
+async def test_a_stop_outlasts_a_driver_saving_as_it_is_deleted(rabbit_cluster: lab.LabState) -> None:
+    """A RabbitMQ journal has no compare-and-set: a driver's save that read the parameter just
+    before `ferry node stop` deleted it writes it back (a plain delete lost this race about half
+    the time here; CI saw a stopped evacuation live on). The stop deletes it again, so every driver
+    learns it was stopped and nothing stays journaled. Six races at once."""
+    cluster = profile_topology(rabbit_cluster).rabbitmq("rabbits")
+
+    async def race(key: str, m: Management, m2: Management) -> int:
+        driver, stopper = ParamJournal(m, key), ParamJournal(m2, key)
+        await driver.open()
+        await driver.save(state="prohibiting")
+        saves = 0
+
+        async def drive() -> None:  # a save right after another: a delete often lands inside one
+            nonlocal saves
+            while True:
+                await driver.save()
+                saves += 1
+
+        task = asyncio.create_task(drive())
+        await asyncio.sleep(random.uniform(0.2, 0.5))
+        assert await stopper.open()
+        await stopper.stop()
+        with pytest.raises(Conflict, match="deleted"):
+            await asyncio.wait_for(task, 10)
+        assert await stopper.get(key) is None
+        return saves
+
+    async with Management(cluster) as m, Management(cluster, cluster.brokers[1]) as m2:
+        saves = await asyncio.gather(*(race(f"evacuation.rabbits.race-{i}", m, m2) for i in range(6)))
+    assert min(saves) > 2, saves
 
 
 async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cluster: lab.LabState) -> None:

@@ -145,6 +145,10 @@ class Journal(_Owned):
         await _while_electing(lambda: self.kv.delete(self.key))
         self.revision = 0
 
+    async def stop(self) -> None:
+        """Delete the key for another ferry's driver: its next save's CAS fails, so it stops."""
+        await self.delete()
+
 
 async def _while_electing(write: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
     """`write` to the bucket, again while its stream elects a leader (the server that led it just
@@ -211,3 +215,15 @@ class ParamJournal(_Owned):
     async def delete(self) -> None:
         await self.m.delete(self._path(self.key))
         self.saved = False
+
+    async def stop(self, settle: float = 1.5) -> None:
+        """Delete the key for another ferry's driver, and keep it deleted: a save that read the
+        parameter just before the delete writes it back one round trip later (CI saw a stopped
+        evacuation live on so), so watch for `settle` seconds after the last delete."""
+        await self.delete()
+        quiet_until = time.monotonic() + settle
+        while time.monotonic() < quiet_until:
+            await asyncio.sleep(0.25)
+            if await self.get(self.key):
+                await self.delete()
+                quiet_until = time.monotonic() + settle

@@ -743,7 +743,7 @@ async def stop(topo: Topology, key_cluster: str, node: str | None) -> dict[str, 
         st = await journal.open()
         if not st:
             raise NotFound(f"no {'evacuation of ' + node if node else 'rebalance of ' + cname} is running")
-        await journal.delete()
+        await journal.stop()
         if node and st.get("state") == "prohibiting":
             await nodes.allow(node)
     return {**_public(st), "outcome": "stopped"}
