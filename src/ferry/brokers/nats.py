@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -31,7 +31,7 @@ from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.topology import NatsCluster
 
-__all__ = ["Nats", "connect", "monitor_get", "probe", "session", "sys_request"]
+__all__ = ["Nats", "connect", "monitor_get", "probe", "session", "sys_request", "while_electing"]
 
 
 class Nats(BrokerKind):
@@ -94,6 +94,23 @@ async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def while_electing(call: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
+    """`call` a stream's API (or write to it), again while the stream elects a leader (its leader
+    stepped down or died: no responder, unavailable, or no answer in time), for at most `within`
+    seconds. A write that timed out may have been stored after all: the caller must tell."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        try:
+            return await call()
+        except (NoStreamResponseError, NoRespondersError, ServiceUnavailableError, NatsTimeout):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def sys_request(nc: Client, subject: str, payload: dict | bytes = b"", timeout: float = 5.0) -> dict:

@@ -16,11 +16,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
 
+from ferry.brokers.nats import while_electing
 from ferry.errors import Conflict
 
 BUCKET = "ferry_ops"
@@ -132,9 +132,9 @@ class Journal(_Owned):
         data = json.dumps(self.state).encode()
         try:
             if self.revision:
-                self.revision = await _while_electing(lambda: self.kv.update(self.key, data, last=self.revision))
+                self.revision = await while_electing(lambda: self.kv.update(self.key, data, last=self.revision))
             else:
-                self.revision = await _while_electing(lambda: self.kv.create(self.key, data))
+                self.revision = await while_electing(lambda: self.kv.create(self.key, data))
         except KeyWrongLastSequenceError:
             entry = await self._entry(self.key)  # a retried write whose first try was stored after all
             if not entry or entry.value != data:
@@ -142,29 +142,12 @@ class Journal(_Owned):
             self.revision = entry.revision
 
     async def delete(self) -> None:
-        await _while_electing(lambda: self.kv.delete(self.key))
+        await while_electing(lambda: self.kv.delete(self.key))
         self.revision = 0
 
     async def stop(self) -> None:
         """Delete the key for another ferry's driver: its next save's CAS fails, so it stops."""
         await self.delete()
-
-
-async def _while_electing(write: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
-    """`write` to the bucket, again while its stream elects a leader (the server that led it just
-    died: no responder, or no ack in time), for at most `within` seconds. A write that timed out may
-    have been stored after all; `save` recognises its own value when the retry's CAS fails."""
-    from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.errors import NoStreamResponseError
-
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return await write()
-        except (NoStreamResponseError, NatsTimeout):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
 
 
 class ParamJournal(_Owned):

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
@@ -79,6 +80,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats import while_electing
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.pipeline import _kept
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
@@ -857,7 +859,7 @@ async def _write_ordered(
     jsm = nc.jsm(timeout=10)
 
     async def last_seq() -> int:
-        return int((await jsm.stream_info(cfg.stream)).state.last_seq)
+        return int((await while_electing(lambda: jsm.stream_info(cfg.stream), 60)).state.last_seq)
 
     pending: list[tuple[str, bytes, dict[str, str] | bytes, str]] = []  # unconfirmed, in order
     base = await last_seq()  # pending[0] expects `base`
@@ -871,22 +873,23 @@ async def _write_ordered(
         while pending:
             failures.clear()
             pub = _publisher(w, cfg, on_failure=failures.append)
+            sent = 0
             try:
                 async with pub:
-                    for i, (subject, payload, hdrs, msg_id) in enumerate(pending):
+                    for subject, payload, hdrs, msg_id in pending:
                         if failures:
                             break
                         await pacer.wait()
-                        headers = _with(hdrs, "Nats-Expected-Last-Sequence", str(base + i))
+                        headers = _with(hdrs, "Nats-Expected-Last-Sequence", str(base + sent))
                         await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
+                        sent += 1
             except PublishError as exc:  # batched: the stream refused a message; what it holds decides
                 code = int(exc.fields.get("err_code") or 0)  # type: ignore[call-overload]
                 failures.append(Ack(str(exc.fields.get("subject", "")), None, error=str(exc), err_code=code))
-            counts.retries += pub.stats.retries
             now = await last_seq()
             stored = now - base
             if stored and 0 < stored <= len(pending):
-                last = await jsm.get_msg(cfg.stream, now)
+                last = await while_electing(functools.partial(jsm.get_msg, cfg.stream, now), 60)
                 if (last.headers or {}).get(MSG_ID) != pending[stored - 1][3]:
                     stored = -1
             if stored < 0 or stored > len(pending):
@@ -895,6 +898,7 @@ async def _write_ordered(
                     f"(last seq {now}, expected {base}..{base + len(pending)}); another writer?"
                 )
             counts.stored += stored
+            counts.retries += pub.stats.retries + max(0, sent - stored)  # sent, not stored: sent again
             pending, base = pending[stored:], now
             stalled = 0 if stored else stalled + 1
             bad = [a for a in failures if a.err_code != _WRONG_LAST_SEQ]
