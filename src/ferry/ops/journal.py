@@ -153,7 +153,8 @@ class Journal(_Owned):
 class ParamJournal(_Owned):
     """The same contract on a RabbitMQ cluster: the global parameter ``ferry-ops.<key>``, through the
     management API. It has no compare-and-set, so each save re-reads the parameter first and refuses
-    when it was deleted (stopped) or another live ferry owns it; the race left is one HTTP round trip."""
+    when it was deleted (stopped) or another live ferry owns it; the race left is one HTTP round trip,
+    which :meth:`stop` closes by deleting again what such a save wrote back."""
 
     PREFIX = "ferry-ops."
 
