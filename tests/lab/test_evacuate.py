@@ -458,25 +458,29 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     assert a["sent"] > 0 and a["lost"] == 0, a
 
 
+@pytest.mark.parametrize("kill_when", ["held", "redeclared"])
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
-    rabbit_cluster: lab.LabState, tmp_path: Path
+    rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str
 ) -> None:
     """A classic queue on the evacuated node ends up on another node with its name, arguments,
     bindings and every message, including those routed to it while it moved; killing ferry
-    while the messages are in the holding queue and running it again finishes the relocation."""
+    while the messages are in the holding queue (and the queue still on the node, or already
+    declared on another: CI saw that relocation left unfinished) and running it again
+    finishes the relocation."""
 
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
     first, other = cluster.brokers[0], cluster.brokers[1]
-    name, held, args = "reloc.q", RELOCATE_PREFIX + "reloc.q", {"x-max-length": 100_000}
+    name, args = f"reloc.{kill_when}", {"x-max-length": 100_000}  # the lab is shared: a queue per case
+    held = RELOCATE_PREFIX + name
     conn = await amqp_connect(cluster, first)  # a classic queue lives where it was declared
     ch = await conn.channel(publisher_confirms=True)
     queue = await ch.declare_queue(name, durable=True, arguments=args)
     x = await ch.declare_exchange("reloc.x", aio_pika.ExchangeType.DIRECT, durable=True)
-    await queue.bind(x, "k")
+    await queue.bind(x, kill_when)
     sent: list[str] = []
     for i in range(3000):
-        await x.publish(aio_pika.Message(b"m", message_id=f"pre-{i}", delivery_mode=2), "k", mandatory=True)
+        await x.publish(aio_pika.Message(b"m", message_id=f"pre-{i}", delivery_mode=2), kill_when, mandatory=True)
         sent.append(f"pre-{i}")
     await conn.close()
     m = Management(cluster, other)
@@ -494,7 +498,7 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
         px = await pch.get_exchange("reloc.x")
         i = 0
         while not stop.is_set():
-            await px.publish(aio_pika.Message(b"m", message_id=f"live-{i}", delivery_mode=2), "k", mandatory=True)
+            await px.publish(aio_pika.Message(b"m", message_id=f"live-{i}", delivery_mode=2), kill_when, mandatory=True)
             sent.append(f"live-{i}")
             i += 1
             await asyncio.sleep(0.005)
@@ -507,6 +511,9 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
 
         def midway() -> bool:
             h = asyncio.run_coroutine_threadsafe(info(held), loop).result()
+            if kill_when == "redeclared":
+                now = asyncio.run_coroutine_threadsafe(info(name), loop).result()
+                return bool(h and now and now["node"] != first.node)
             return bool(h and h.get("messages", 0) > 0)
 
         await asyncio.to_thread(ferry_killed_when, midway, *args_cli, topology=topology, timeout=180)
@@ -528,7 +535,7 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     assert moved and moved["node"] != first.node and moved["durable"] and moved["arguments"] == args, moved
     assert await info(held) is None
     bindings = await m.get(f"/queues/%2F/{name}/bindings")
-    assert {(b["source"], b["routing_key"]) for b in bindings if b["source"]} == {("reloc.x", "k")}
+    assert {(b["source"], b["routing_key"]) for b in bindings if b["source"]} == {("reloc.x", kill_when)}
     label = Asset("/", name, None, "", []).label
     assert {"queue": label, "to": next(b.name for b in cluster.brokers if b.node == moved["node"])} in result[
         "relocated"
@@ -628,9 +635,10 @@ async def test_a_stop_outlasts_a_driver_saving_as_it_is_deleted(rabbit_cluster: 
 
 
 async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cluster: lab.LabState) -> None:
-    """40 connections and 6 quorum queue leaders on rabbits-1, none elsewhere: a dry run proposes,
-    --execute closes connections until rabbits-1 is within the threshold and spreads the leaders;
-    a second run finds nothing to balance."""
+    """40 connections and 6 quorum queue leaders on rabbits-1: a dry run proposes, --execute
+    closes connections until rabbits-1 is within the threshold and spreads the leaders until its
+    sessions are (counting the classic queues earlier tests left on the other nodes: CI once took
+    those for a rebalance that stopped short); a second run finds nothing to balance."""
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
     first = cluster.brokers[0]
@@ -663,8 +671,15 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
         result = json.loads(r.stdout)
         assert result["outcome"] == "balanced", result
         assert result["evicted"]["connections"] >= 30 and on_first() <= 5, result
-        spread = list(leaders().values())
-        assert max(spread.count(n) for n in set(spread)) <= 3 and len(set(spread)) >= 2, spread
+        listed = rabbit_get(cluster, "/queues?columns=name,type,node,leader,exclusive,auto_delete")
+        sessions = Counter(
+            x["leader"] if x["type"] == "quorum" else x["node"]
+            for x in listed
+            if not x["exclusive"] and not x["auto_delete"] and not x["name"].startswith(RELOCATE_PREFIX)
+        )
+        others = [sessions[b.node] for b in cluster.brokers if b is not first]
+        assert sessions[first.node] < sum(others) / len(others) + 2, (sessions, result.get("counts"))
+        assert len(set(leaders().values())) >= 2, (leaders(), result.get("counts"))
 
         again = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
         assert again["outcome"] == "nothing to balance", json.dumps([again["proposal"], result])

@@ -432,7 +432,8 @@ class RabbitNodes(_Nodes):
                         leader = self.by_erlang.get(x.get("leader") or "", "")
                         v.assets.append(Asset(x["vhost"], x["name"], None, leader, members))
                 elif x.get("node") == erl and not x.get("exclusive"):  # a classic queue lives on one node
-                    kind = "" if x.get("auto_delete") else "classic"
+                    held = x["name"].startswith(RELOCATE_PREFIX)  # finished by the relocation that made it
+                    kind = "" if x.get("auto_delete") or held else "classic"
                     v.assets.append(Asset(x["vhost"], x["name"], None, node, [node], kind))
         return out
 

@@ -505,6 +505,11 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
         else:
             removed += 1
     classic = [a for a in v.assets if a.kind == "classic"]
+    classic += [  # begun by a ferry killed mid-way: the queue may have left the node already
+        Asset(vhost, name, None, node, [node], "classic")
+        for vhost, name, _ in st.get("relocating", [])
+        if f"{vhost}/{name}" not in {a.label for a in classic}
+    ]
     if classic and isinstance(nodes, RabbitNodes):
         moved += await _relocate(d, nodes, classic[: pacer.take(len(classic))], spare, load)
     if moved or removed:
@@ -516,22 +521,29 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
     st["kept"] = [k for k in kept if k not in moving] + [
         a.label for a in v.assets if a.consumer is None and a.leader != node and a not in replicas + singles
     ]
-    return not pending
+    return not pending and not st.get("relocating")
 
 
 async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: list[str], load: dict[str, int]) -> int:
     """Relocate classic queues to the recipients with the fewest queues (the heartbeat goes on
-    while the data plane moves their messages); how many now live elsewhere."""
+    while the data plane moves their messages); how many now live elsewhere. Each is journaled
+    (vhost, queue, target) before it begins, so that a ferry killed mid-way finishes it."""
+    planned = {(vhost, name): to for vhost, name, to in d.st.get("relocating", [])}
     moves = []
     for a in queues:
         if up and d.fresh(f"relocate:{a.label}"):
-            moves.append((a, _least_loaded(up, load)))
+            to = planned.get((a.account, a.stream))
+            moves.append((a, to if to in up else _least_loaded(up, load)))
+            planned[(a.account, a.stream)] = moves[-1][1]
+    await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
     errors = await d.while_saving(nodes.relocate(moves, d.emit))
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
             d.emit("warning", message=f"{a.label}: relocation to {target} failed: {err}")
         else:
             d.st.setdefault("relocated", []).append({"queue": a.label, "to": target})
+            del planned[(a.account, a.stream)]
+    await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
     return sum(1 for err in errors if not err)
 
 
