@@ -535,6 +535,8 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
             to = planned.get((a.account, a.stream))
             moves.append((a, to if to in up else _least_loaded(up, load)))
             planned[(a.account, a.stream)] = moves[-1][1]
+    if not moves:
+        return 0
     await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
     errors = await d.while_saving(nodes.relocate(moves, d.emit))
     for (a, target), err in zip(moves, errors, strict=True):
