@@ -22,8 +22,9 @@ and switch a node's intake off and on again.
   (Spark). Quorum queue followers, auto-delete and exclusive queues stay (reported as
   kept). The journal is a global parameter on the cluster.
 
-Relocating a classic queue Q, every step idempotent and read back from the broker, so
-a killed evacuation resumes at the right step:
+Relocating a classic queue Q, every step idempotent and read back from the broker, and Q
+in the evacuation's journal from before step 1 until step 3 is done, so a killed
+evacuation resumes at the right step (even once Q has left the node):
 
 1. declare ``ferry.relocate.Q`` on the target node (like Q), bind it as Q is bound, then
    unbind Q: messages routed through exchanges now land in the holding queue;
