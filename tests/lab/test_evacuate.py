@@ -770,7 +770,7 @@ async def _until(nc: Any, stream: str, cond: Callable[[dict[str, Any]], bool], w
             info = await _js(nc, f"$JS.API.STREAM.INFO.{stream}")
             if cond(info):
                 return info
-        assert time.monotonic() < deadline, f"{stream}: {what}: {info.get('cluster')}"
+        assert time.monotonic() < deadline, f"{stream}: {what}: {info.get('cluster')}, {info.get('state')}"
         await asyncio.sleep(0.2)
 
 
@@ -814,9 +814,15 @@ async def _streams_held_by_one_node(topo: Any) -> str:
             await _create(nc, {**cfg, "placement": {"cluster": "east"}})
             info = await _until(nc, name, lambda i, r=cfg["num_replicas"]: _settled(i, r), "settled")
             # acked publishes: the server drops core messages beyond what a stream takes in (a CI run
-            # stored fewer than 50,000 of them)
+            # stored fewer than 50,000 of them); with ids, so that one re-sent after a late ack is not
+            # stored twice (a CI run stored more)
             await fill_stream(
-                topo, "east", n, subject=lambda i, p=name.lower(): f"{p}.{i % 7}", payload=lambda i: b"x" * 1000
+                topo,
+                "east",
+                n,
+                subject=lambda i, p=name.lower(): f"{p}.{i % 7}",
+                payload=lambda i: b"x" * 1000,
+                msg_id=lambda i, p=name: f"{p}-{i}",
             )
             await _until(nc, name, lambda i, n=n: i["state"]["messages"] == n, "fill")
         node = (await _js(nc, "$JS.API.STREAM.INFO.EV_R1"))["cluster"]["leader"]
