@@ -126,8 +126,9 @@ async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_chan
     async def stepdowns() -> None:  # mid-write, by the stream's own count (not by the clock)
         async with bnats.session(topo.nats("east")) as nc:
             for stored in (n // 4 + 5000, n // 2 + 5000):  # inside a chunk of 20,000, not at its resync
-                while (await nc.jsm().stream_info("FB5")).state.messages < stored:
-                    await asyncio.sleep(0.01)
+                async with asyncio.timeout(120):
+                    while (await nc.jsm().stream_info("FB5")).state.messages < stored:
+                        await asyncio.sleep(0.01)
                 reply = await nc.request("$JS.API.STREAM.LEADER.STEPDOWN.FB5", b"", timeout=10)
                 assert b'"success":true' in reply.data, reply.data
 

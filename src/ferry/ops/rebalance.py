@@ -505,11 +505,9 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
         else:
             removed += 1
     classic = [a for a in v.assets if a.kind == "classic"]
-    classic += [  # begun by a ferry killed mid-way: the queue may have left the node already
-        Asset(vhost, name, None, node, [node], "classic")
-        for vhost, name, _ in st.get("relocating", [])
-        if f"{vhost}/{name}" not in {a.label for a in classic}
-    ]
+    here = {a.label for a in classic}
+    begun = [Asset(vhost, name, None, node, [node], "classic") for vhost, name, _ in st.get("relocating", [])]
+    classic += [a for a in begun if a.label not in here]  # by a ferry killed mid-way: Q may have left the node
     if classic and isinstance(nodes, RabbitNodes):
         moved += await _relocate(d, nodes, classic[: pacer.take(len(classic))], spare, load)
     if moved or removed:
@@ -529,15 +527,21 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
     while the data plane moves their messages); how many now live elsewhere. Each is journaled
     (vhost, queue, target) before it begins, so that a ferry killed mid-way finishes it."""
     planned = {(vhost, name): to for vhost, name, to in d.st.get("relocating", [])}
+
+    async def journal() -> None:
+        await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
+
     moves = []
     for a in queues:
         if up and d.fresh(f"relocate:{a.label}"):
             to = planned.get((a.account, a.stream))
-            moves.append((a, to if to in up else _least_loaded(up, load)))
-            planned[(a.account, a.stream)] = moves[-1][1]
+            if to not in up:
+                to = _least_loaded(up, load)
+            planned[(a.account, a.stream)] = to
+            moves.append((a, to))
     if not moves:
         return 0
-    await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
+    await journal()
     errors = await d.while_saving(nodes.relocate(moves, d.emit))
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
@@ -545,7 +549,7 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
         else:
             d.st.setdefault("relocated", []).append({"queue": a.label, "to": target})
             del planned[(a.account, a.stream)]
-    await d.save(relocating=[[vhost, name, to] for (vhost, name), to in planned.items()])
+    await journal()
     return sum(1 for err in errors if not err)
 
 
