@@ -263,7 +263,8 @@ def copy_cmd(
         return
     if not as_json:
         _print_plan(plan.as_dict())
-    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry copy")
+    # the copy registers ferry's data sources if it reads with one (a second of start-up otherwise)
+    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry copy", data_sources=False)
     with _progress(plan.messages, "copying", enabled=not as_json) as advance:
         report = run_copy(topo, plan, spark, progress=advance)
     if as_json:

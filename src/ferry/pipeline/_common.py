@@ -104,12 +104,19 @@ class WriteCounts(WriterCommitMessage):
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
 
+    @staticmethod
+    def arrow_schema() -> Any:
+        """COUNTS_DDL as an Arrow schema."""
+        import pyarrow as pa
+
+        fields = [(name, pa.int64()) for name in ("rows", "stored", "duplicates", "retries", "bytes")]
+        return pa.schema([*fields, ("errors", pa.list_(pa.string()))])
+
     def as_batch(self) -> Any:
         """One Arrow row with the COUNTS_DDL schema (what a counting Spark task yields)."""
         import pyarrow as pa
 
-        fields = [(name, pa.int64()) for name in ("rows", "stored", "duplicates", "retries", "bytes")]
-        return pa.RecordBatch.from_pylist([self.as_dict()], pa.schema([*fields, ("errors", pa.list_(pa.string()))]))
+        return pa.RecordBatch.from_pylist([self.as_dict()], self.arrow_schema())
 
 
 def dumps(obj: Any) -> str:

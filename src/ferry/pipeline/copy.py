@@ -42,16 +42,18 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import ConfigError, FerryError, NotFound, UsageError
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
-from ferry.pipeline._common import COUNTS_DDL
+from ferry.pipeline._common import COUNTS_DDL, WriteCounts
 from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
+from ferry.pipeline.spark import register
 from ferry.pipeline.uris import Endpoint, parse_uri
 from ferry.topology import RabbitCluster, Topology
 
 __all__ = ["CopyOptions", "CopyPlan", "CopyReport", "plan_copy", "run_copy", "spark_error"]
 
-_MOVE_DDL = (
-    "vhost string, queue string, before long, moved long, bytes long, redelivered long, left long, "
-    "seconds double, errors array<string>"
+_MOVE_SCHEMA = pa.schema(
+    [("vhost", pa.string()), ("queue", pa.string())]
+    + [(name, pa.int64()) for name in ("before", "moved", "bytes", "redelivered", "left")]
+    + [("seconds", pa.float64()), ("errors", pa.list_(pa.string()))]
 )
 
 
@@ -403,6 +405,7 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         _run_stream_to_stream(topology, plan, spark, report)
         return
     if src.kind == "jetstream":
+        register(spark)
         reader = (
             spark.read.format("jetstream")
             .option("cluster", topology.nats(src.cluster or "").model_dump_json())
@@ -467,13 +470,10 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
     groups = [ranges] if opts.mode == "ordered" else [[r] for r in ranges]
     wcfg = _write_options(topology, plan.destination, plan, len(groups))["cfg"]
 
-    def copy(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for i in batch.column(0).to_pylist():
-                counts = asyncio.run(js.write_rows(wcfg, _read_group(rcfg, groups[i], held)))
-                yield counts.as_batch()
+    def copy(i: int) -> dict[str, Any]:
+        return asyncio.run(js.write_rows(wcfg, _read_group(rcfg, groups[i], held))).as_dict()
 
-    _add_counts(report, spark.range(0, len(groups), 1, len(groups)).mapInArrow(copy, COUNTS_DDL).collect())
+    _add_counts(report, per_task(spark, len(groups), copy, WriteCounts.arrow_schema()))
 
 
 async def _read_group(rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]) -> AsyncIterator[tuple[Any, ...]]:
@@ -490,6 +490,7 @@ def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:
 
     dst = plan.destination
     source_name = f"{plan.source.cluster}/{plan.source.stream}"
+    register(spark)
     held = (
         spark.read.format("jetstream")
         .option("cluster", topology.nats(dst.cluster or "").model_dump_json())
@@ -553,17 +554,22 @@ def run_moves(spark: Any, tasks: list[MoveTask]) -> list[MoveResult]:
     def move(i: int) -> dict[str, Any]:
         return asdict(asyncio.run(move_queue(tasks[i])))
 
-    if _is_connect(spark):  # Spark Connect has no RDDs
+    return [MoveResult(**r) for r in per_task(spark, len(tasks), move, _MOVE_SCHEMA)]
 
-        def move_batches(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+
+def per_task(spark: Any, n: int, fn: Callable[[int], dict[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
+    """fn(0), ..., fn(n - 1), each in a Spark task of its own: the rows (of `schema`) they return."""
+    if _is_connect(spark):  # Spark Connect has no RDDs
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        def each(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
             for batch in batches:
                 for i in batch.column(0).to_pylist():
-                    yield pa.RecordBatch.from_pylist([move(i)])
+                    yield pa.RecordBatch.from_pylist([fn(i)], schema)
 
-        rows = spark.range(0, len(tasks), 1, len(tasks)).mapInArrow(move_batches, _MOVE_DDL).collect()
-        return [MoveResult(**r.asDict()) for r in rows]
+        return [r.asDict() for r in spark.range(0, n, 1, n).mapInArrow(each, from_arrow_schema(schema)).collect()]
     # an RDD job needs none of Spark SQL's planning: its first task starts about a second sooner
-    return [MoveResult(**r) for r in spark.sparkContext.parallelize(range(len(tasks)), len(tasks)).map(move).collect()]
+    return spark.sparkContext.parallelize(range(n), n).map(fn).collect()
 
 
 def _cores(spark: Any) -> int:
