@@ -4,9 +4,11 @@ Plan (on the driver, nothing changes): resolve names, check that sources exist
 and count them, check the destination, decide the mode and the resume point.
 Execute (on Spark), one of:
 
-- stream or Parquet -> JetStream / RabbitMQ / Parquet: read with the jetstream
-  data source (or Spark's Parquet reader) and write each partition with
-  ``mapInArrow`` so every task's counts come back to the driver;
+- JetStream -> JetStream: each task reads its sequence ranges and publishes
+  them itself, so no message crosses the JVM (:func:`per_task`);
+- stream or Parquet -> anything else: read with the jetstream data source (or
+  Spark's Parquet reader) and write each partition with ``mapInArrow`` so every
+  task's counts come back to the driver;
 - RabbitMQ queues -> anything: one mover task per queue (``move_queue``).
 
 JetStream -> JetStream modes:
