@@ -16,6 +16,8 @@ own processes, measured over the same interval.
 
     .venv/bin/python -m bench.copy                 # 1,000,000 messages of 100 bytes
     .venv/bin/python -m bench.copy --quick         # 100,000
+    .venv/bin/python -m bench.copy --only jetstream --partitions 2 --batched-only --runs 3
+                                                   # medians of three rounds, each against its own sourcing
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -194,10 +197,11 @@ async def _delete(topo: Topology, cluster: str, name: str) -> None:
         await nc.jsm().delete_stream(name)
 
 
-def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra: list[str]) -> list[dict[str, Any]]:
+def bench_jetstream(
+    root: Path, n: int, size: int, partitions: list[int], extra: list[str], runs: int = 1, batched_only: bool = False
+) -> list[dict[str, Any]]:
     state = lab.up("supercluster", root, log=lambda _: None)
     topo = load_topology(state.path / "topology.yaml")
-    servers = _pids(state, "nats")
     print(f"jetstream: filling R3 stream SRC in east with {n:,} messages of {size} bytes", flush=True)
 
     async def fill() -> None:
@@ -208,6 +212,24 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
                 await pub.publish(f"bench.{i % 100}", body, msg_id=f"m{i}")
 
     asyncio.run(fill())
+    rows: list[dict[str, Any]] = []
+    for round_ in range(1, runs + 1):
+        rows += _jetstream_round(state, topo, n, partitions, extra, batched_only, round_)
+    lab.down("supercluster", root, log=lambda _: None)
+    return rows
+
+
+def _jetstream_round(
+    state: lab.LabState,
+    topo: Topology,
+    n: int,
+    partitions: list[int],
+    extra: list[str],
+    batched_only: bool,
+    round_: int,
+) -> list[dict[str, Any]]:
+    """Sourcing, then each ferry case, on the filled stream SRC; each row tagged with the round."""
+    servers = _pids(state, "nats")
 
     async def sourcing() -> float:
         from nats.js.api import StreamSource
@@ -218,7 +240,7 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
             await asyncio.sleep(0.05)
         return time.monotonic() - t0
 
-    print("jetstream: server-side sourcing east -> west", flush=True)
+    print(f"jetstream (round {round_}): server-side sourcing east -> west", flush=True)
     with PeakRss(pids=servers) as broker:
         seconds = asyncio.run(sourcing())
     rows = [
@@ -233,6 +255,7 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
             "broker_cpu": broker.cpu,
             "client_rss": 0,
             "broker_rss": broker.peak,
+            "round": round_,
         }
     ]
     asyncio.run(_delete(topo, "west", "NATIVE"))
@@ -241,10 +264,11 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
     for k in partitions:
         flags = ["--mode", "parallel", "--partitions", str(k)]
         cases += [(f"{k} partitions", flags, False), (f"{k} partitions, batched", flags, True)]
+    cases = [c for c in cases if c[2] or not batched_only]
     for i, (label, flags, batched) in enumerate(cases):
         dest = f"COPY{i}"
         asyncio.run(_stream(topo, "west", dest, subjects=[f"c{i}.bench.>"], allow_batched=batched))
-        print(f"jetstream: ferry copy {label}", flush=True)
+        print(f"jetstream (round {round_}): ferry copy {label}", flush=True)
         with PeakRss(pids=servers) as broker:
             run = run_ferry(
                 [
@@ -272,10 +296,10 @@ def bench_jetstream(root: Path, n: int, size: int, partitions: list[int], extra:
                 "broker_cpu": broker.cpu,
                 "client_rss": run["peak_rss"],
                 "broker_rss": broker.peak,
+                "round": round_,
             }
         )
         asyncio.run(_delete(topo, "west", dest))
-    lab.down("supercluster", root, log=lambda _: None)
     return rows
 
 
@@ -287,6 +311,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["rabbitmq", "jetstream"])
     parser.add_argument("--partitions", default="1,2,4", help="the parallel cases")
     parser.add_argument("--ferry-args", default="", help="extra arguments for every `ferry copy`")
+    parser.add_argument("--runs", type=int, default=1, help="JetStream: rounds of sourcing and every case")
+    parser.add_argument("--batched-only", action="store_true", help="JetStream: only the cases that batch")
     args = parser.parse_args()
     n = 100_000 if args.quick else args.messages
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
@@ -297,8 +323,9 @@ def main() -> None:
         if args.only in (None, "rabbitmq"):
             rows += bench_rabbitmq(root, n, args.size, args.ferry_args.split())
         if args.only in (None, "jetstream"):
+            partitions = [int(k) for k in args.partitions.split(",")]
             rows += bench_jetstream(
-                root, n, args.size, [int(k) for k in args.partitions.split(",")], args.ferry_args.split()
+                root, n, args.size, partitions, args.ferry_args.split(), args.runs, args.batched_only
             )
     finally:
         lab.down(root=root, log=lambda _: None)
@@ -308,14 +335,22 @@ def main() -> None:
         f"{'client cpu':>10} {'broker cpu':>10} {'client rss':>10} {'broker rss':>10}"
     )
     print(header)
-    anchors = {r["case"]: r["rate"] for r in rows if "anchor" in r["who"]}
+    anchors = {(r["case"], r.get("round")): r["rate"] for r in rows if "anchor" in r["who"]}
     for r in rows:
-        r["ratio"] = r["rate"] / anchors[r["case"]]
+        r["ratio"] = r["rate"] / anchors[r["case"], r.get("round")]
         print(
             f"{r['case']:26} {r['who']:28} {r['messages']:>9,} {r['rate']:>8,.0f} {r['ratio']:>5.2f}x "
             f"{r['seconds']:>7.1f} {r['wall']:>7.1f} {r['client_cpu']:>9.1f}s {r['broker_cpu']:>9.1f}s "
             f"{mb(r['client_rss']):>10} {mb(r['broker_rss']):>10}"
         )
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if "anchor" not in r["who"]:
+            ratios.setdefault(f"{r['case']}: {r['who']}", []).append(r["ratio"])
+    if any(len(v) > 1 for v in ratios.values()):
+        print("\nmedian ratio over the rounds (each against its own round's anchor)")
+        for who, v in ratios.items():
+            print(f"  {who:60} {statistics.median(v):.2f}x  ({', '.join(f'{x:.2f}' for x in v)})")
     save_rows("copy", rows)
 
 

@@ -107,6 +107,11 @@ async def fill_stream(
     assert pub.stats.failed == 0, pub.stats.errors
 
 
+async def stream_leader(topo: Topology, cluster: str, stream: str) -> str:
+    async with bnats.session(topo.nats(cluster)) as nc:
+        return (await nc.jsm().stream_info(stream)).cluster.leader
+
+
 def stream_count(topo: Topology, cluster: str, stream: str) -> int:
     return asyncio.run(stream_states(topo.nats(cluster), [stream], name=cluster))[stream]["messages"]
 

@@ -34,6 +34,7 @@ from tests.helpers import (
     queue_messages,
     read_stream,
     stream_count,
+    stream_leader,
     wait_for,
 )
 
@@ -191,10 +192,16 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
 
     def relay(lo: int, hi: int) -> tuple[int, int, str | None]:
         counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=1000))
-        return counts.stored, counts.duplicates, _kept._entries[("relay", cfg, to, source_stream)][1].reader.consumer
+        return counts.stored, counts.duplicates, _reader(cfg, to, source_stream).consumer
+
+    async def consumer_leader(name: str) -> str:
+        async with bnats.session(topo.nats("east")) as nc:
+            return (await nc.jsm().consumer_info(source_stream, name)).cluster.leader
 
     first = relay(1, 10_000)
     assert first[:2] == (10_000, 0) and first[2]
+    # messages come straight from the server that leads the consumer, not through another one
+    assert _reader(cfg, to, source_stream).w.server_name == asyncio.run(consumer_leader(first[2]))
     assert relay(10_001, 25_000) == (15_000, 0, first[2]), "the next range did not go on with the consumer"
     again = relay(5_001, 6_000)
     assert again[:2] == (0, 1_000), "a range relayed again was stored again"
@@ -212,6 +219,12 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
     _kept.run(_kept._drop(("relay", cfg, to, source_stream)))
     seqs = [int(dict(r["headers"])["Ferry-Origin-Seq"]) for r in asyncio.run(read_stream(topo, "west", "CRELAY"))]
     assert seqs == list(range(1, N + 1))
+
+
+def _reader(cfg: ReadConfig, to: WriteConfig, stream: str):
+    from ferry.pipeline import _kept
+
+    return _kept._entries[("relay", cfg, to, stream)][1].reader
 
 
 def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_a_range(
@@ -266,12 +279,14 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
 def test_stream_copy_rides_out_the_kill_of_a_destination_server(
     supercluster: lab.LabState, source_stream: str, batched: bool
 ) -> None:
-    """A west server that a writer is connected to is SIGKILLed mid-copy: the writer's connection
-    moves to another server, publishes left without an ack are re-sent under their ids (in a new
-    batch, when batched), and the copy ends with every message exactly once."""
+    """The west server that the writers are connected to (the stream's leader) is SIGKILLed
+    mid-copy: the writers' connections move to another server, publishes left without an ack are
+    re-sent under their ids (in a new batch, when batched), and the copy ends with every message
+    exactly once."""
     topo = profile_topology(supercluster)
     dest, prefix = f"CDST_KILL{int(batched)}", f"kill{int(batched)}."
     asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], placement="west", allow_batched=batched))
+    leader = asyncio.run(stream_leader(topo, "west", dest))
     args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix]
     args += ["--partitions", "2", "--rate", "4000", "--json"]
     env = {**os.environ, "FERRY_TOPOLOGY": str(supercluster.path / "topology.yaml")}
@@ -280,7 +295,9 @@ def test_stream_copy_rides_out_the_kill_of_a_destination_server(
     try:
         wait_for(lambda: proc.poll() is not None or stream_count(topo, "west", dest) >= N // 3, 120, "a third copied")
         assert proc.poll() is None, "the copy ended before the kill"
-        victim = supercluster.proc(wait_for(lambda: _writing_to(topo), 10, "a writer's connection in west"))
+        writing_to = wait_for(lambda: _writing_to(topo), 10, "a writer's connection in west")
+        assert writing_to == leader, "the writers publish through a server that does not lead the stream"
+        victim = supercluster.proc(writing_to)
         victim.signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-2000:]

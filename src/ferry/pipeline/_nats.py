@@ -113,7 +113,9 @@ class Wire:
 
     HOLD_LIMIT = 8_000_000  # bytes of publishes kept while reconnecting (nats-py keeps 2 MB)
 
-    def __init__(self, cluster: NatsCluster, name: str, client_name: str, urls: list[str] | None = None) -> None:
+    def __init__(
+        self, cluster: NatsCluster, name: str, client_name: str, urls: list[str] | None = None, prefer: str = ""
+    ) -> None:
         self.cluster, self.name, self.client_name = cluster, name, client_name
         self.urls = urls or cluster.urls  # e.g. a load balancer's address instead of the servers'
         self._subs: dict[int, _Sub] = {}
@@ -127,7 +129,11 @@ class Wire:
         self._connected = asyncio.Event()
         self._closed = False
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
-        self._server = random.randrange(len(self.urls))  # spread tasks over the servers, as nats-py does
+        self.server_name = ""  # the server connected to (its INFO)
+        # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
+        # every message), else any: spread tasks over the servers, as nats-py does
+        names = [b.name for b in cluster.brokers] if urls is None else []
+        self._server = names.index(prefer) if prefer in names else random.randrange(len(self.urls))
 
     @classmethod
     async def open(
@@ -137,9 +143,11 @@ class Wire:
         client_name: str = "ferry-data",
         urls: list[str] | None = None,
         timeout: float = 30.0,
+        prefer: str = "",
     ) -> Wire:
-        """A connected Wire (close it when done)."""
-        w = cls(cluster, name or "nats", client_name, urls)
+        """A connected Wire (close it when done); to the server named `prefer` first if it is one of
+        the cluster's (the topology's broker names are the servers' ``server_name``)."""
+        w = cls(cluster, name or "nats", client_name, urls, prefer)
         await w.connect(timeout)
         return w
 
@@ -263,7 +271,9 @@ class Wire:
             line = await reader.readline()
             if not line.startswith(b"INFO "):
                 raise BrokerUnavailable(f"{self.name}: {url} did not greet with INFO")
-            if json.loads(line[5:]).get("tls_required"):
+            info = json.loads(line[5:])
+            self.server_name = info.get("server_name", "")
+            if info.get("tls_required"):
                 raise ConfigError(f"{self.name}: {url} requires TLS, which ferry's data plane does not speak")
             options: dict[str, Any] = {
                 "verbose": False,
@@ -360,10 +370,10 @@ class Wire:
 
 @contextlib.asynccontextmanager
 async def wire(
-    cluster: NatsCluster, name: str = "", client_name: str = "ferry-data", timeout: float = 30.0
+    cluster: NatsCluster, name: str = "", client_name: str = "ferry-data", timeout: float = 30.0, prefer: str = ""
 ) -> AsyncIterator[Wire]:
-    """A connected :class:`Wire` to `cluster`, closed on exit."""
-    w = await Wire.open(cluster, name, client_name, timeout=timeout)
+    """A connected :class:`Wire` to `cluster` (see :meth:`Wire.open`), closed on exit."""
+    w = await Wire.open(cluster, name, client_name, timeout=timeout, prefer=prefer)
     try:
         yield w
     finally:

@@ -81,6 +81,7 @@ class CopyPlan:
     resume_from: int | None = None  # ordered: first source seq still to copy
     anti_join: bool = False  # parallel: destination already holds part of this source
     batched: bool = False  # into a stream that allows fast batch publishing
+    leader: str = ""  # the destination stream's leader, when planned
     transfer_id: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -247,6 +248,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
             info = await _create_stream(topology, plan, jsm)
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
         _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
+        plan.leader = info.cluster.leader if info.cluster and info.cluster.leader else ""
         if plan.source.kind != "jetstream" or info.state.messages == 0:
             return
         source_name = f"{plan.source.cluster}/{plan.source.stream}"
@@ -370,6 +372,7 @@ def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int
                 batched=plan.batched,
                 subject_prefix=plan.options.subject_prefix,
                 rate=rate,
+                leader=plan.leader,
             ),
         }
     from ferry.pipeline import rabbitmq as rmq

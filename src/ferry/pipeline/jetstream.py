@@ -175,6 +175,7 @@ class WriteConfig:
     subject_prefix: str = ""
     origin_site: str = ""
     rate: float | None = None  # messages per second for this task
+    leader: str = ""  # the stream's leader when planned: its server is the one to publish to
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> WriteConfig:
@@ -378,10 +379,14 @@ async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any,
 class _Reader:
     """Reads ranges of one stream through an ephemeral consumer (no acks) it creates where a
     range starts. With ``keep``, the consumer stays after a range that ended cleanly, and the
-    next range that starts right after it goes on with it (a relay's micro-batches)."""
+    next range that starts right after it goes on with it (a relay's micro-batches).
 
-    def __init__(self, cfg: ReadConfig, stream: str, nc: Any, w: Wire) -> None:
-        self.cfg, self.stream, self.nc, self.w = cfg, stream, nc, w
+    Messages come on a :class:`Wire` opened with the first consumer, to the server that leads it:
+    then no message crosses from one server to another on its way to ferry."""
+
+    def __init__(self, cfg: ReadConfig, stream: str, nc: Any) -> None:
+        self.cfg, self.stream, self.nc = cfg, stream, nc
+        self.w: Wire | None = None
         self.source = f"{cfg.name}/{stream}"
         self.consumer: str | None = None
         self.puller: _Puller | None = None
@@ -390,16 +395,12 @@ class _Reader:
 
     @classmethod
     async def open(cls, cfg: ReadConfig, stream: str) -> _Reader:
-        nc = await bnats.connect(cfg.nats(), name=cfg.name, timeout=30)
-        try:
-            return cls(cfg, stream, nc, await Wire.open(cfg.nats(), cfg.name, timeout=30))
-        except BaseException:
-            await nc.close()
-            raise
+        return cls(cfg, stream, await bnats.connect(cfg.nats(), name=cfg.name, timeout=30))
 
     async def close(self) -> None:
         await self._drop()
-        await self.w.close()
+        if self.w:
+            await self.w.close()
         with contextlib.suppress(Exception):
             await self.nc.close()
 
@@ -438,6 +439,9 @@ class _Reader:
         if info.num_pending == 0:
             await self._drop()
             return False
+        if self.w is None:
+            leader = info.cluster.leader if info.cluster else None
+            self.w = await Wire.open(self.cfg.nats(), self.cfg.name, timeout=30, prefer=leader or "")
         self.puller = _Puller(self.w, self.stream, info.name)
         await self.puller.start()
         return True
@@ -730,7 +734,7 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], des
     source, seq), on
     `dest` if given (else a connection of its own); raise if any message could not be stored."""
     counts = WriteCounts()
-    async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name) as w:
+    async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name, prefer=cfg.leader) as w:
         if cfg.ordered:
             async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
                 await _write_ordered(nc, w, cfg, rows, counts)
