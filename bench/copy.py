@@ -17,7 +17,7 @@ own processes, measured over the same interval.
     .venv/bin/python -m bench.copy                 # 1,000,000 messages of 100 bytes
     .venv/bin/python -m bench.copy --quick         # 100,000
     .venv/bin/python -m bench.copy --only jetstream --partitions 2 --batched-only --runs 3
-                                                   # medians of three rounds, each against its own sourcing
+                                                   # medians of three rounds, each against its own anchor
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ async def _fill_queues(topo: Topology, cluster: str, per_queue: int, size: int) 
     await conn.close()
 
 
-def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str]) -> list[dict[str, Any]]:
+def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 1) -> list[dict[str, Any]]:
     state = lab.up("rabbit-dr", root, log=lambda _: None)
     topo = load_topology(state.path / "topology.yaml")
     per_queue = n // len(QUEUES)
@@ -135,44 +135,50 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str]) -> list[dict
                 await m.delete(f"/parameters/shovel/%2F/bench-{name}")
         return elapsed
 
-    print("rabbitmq: shovels ltm -> pc1", flush=True)
-    with PeakRss(pids=beams) as broker:
-        seconds = asyncio.run(shovel())
-    rows = [
-        {
-            "case": "rabbitmq 10 queues",
-            "who": "shovels (anchor)",
-            "messages": total,
-            "seconds": seconds,
-            "rate": total / seconds,
-            "wall": seconds,
-            "client_cpu": 0.0,
-            "broker_cpu": broker.cpu,
-            "client_rss": 0,
-            "broker_rss": broker.peak,
-        }
-    ]
+    rows: list[dict[str, Any]] = []
+    for round_ in range(1, runs + 1):  # each round moves everything to pc1 and back
+        print(f"rabbitmq (round {round_}): shovels ltm -> pc1", flush=True)
+        with PeakRss(pids=beams) as broker:
+            seconds = asyncio.run(shovel())
+        rows.append(
+            {
+                "case": "rabbitmq 10 queues",
+                "who": "shovels (anchor)",
+                "messages": total,
+                "seconds": seconds,
+                "rate": total / seconds,
+                "wall": seconds,
+                "client_cpu": 0.0,
+                "broker_cpu": broker.cpu,
+                "client_rss": 0,
+                "broker_rss": broker.peak,
+                "round": round_,
+            }
+        )
 
-    print("rabbitmq: ferry copy pc1 -> ltm", flush=True)
-    with PeakRss(pids=beams) as broker:
-        run = run_ferry(["copy", "rabbitmq://pc1/%2F/*", "rabbitmq://ltm/%2F/*", *extra], state.path / "topology.yaml")
-    report = run["report"]
-    landed = asyncio.run(_depths(topo, "ltm"))
-    assert report["read"] == landed == total, f"ferry moved {report['read']:,}, ltm holds {landed:,} of {total:,}"
-    rows.append(
-        {
-            "case": "rabbitmq 10 queues",
-            "who": "ferry copy",
-            "messages": report["read"],
-            "seconds": report["seconds"],
-            "rate": report["read"] / report["seconds"],
-            "wall": run["wall"],
-            "client_cpu": run["cpu"],
-            "broker_cpu": broker.cpu,
-            "client_rss": run["peak_rss"],
-            "broker_rss": broker.peak,
-        }
-    )
+        print(f"rabbitmq (round {round_}): ferry copy pc1 -> ltm", flush=True)
+        with PeakRss(pids=beams) as broker:
+            run = run_ferry(
+                ["copy", "rabbitmq://pc1/%2F/*", "rabbitmq://ltm/%2F/*", *extra], state.path / "topology.yaml"
+            )
+        report = run["report"]
+        landed = asyncio.run(_depths(topo, "ltm"))
+        assert report["read"] == landed == total, f"ferry moved {report['read']:,}, ltm holds {landed:,} of {total:,}"
+        rows.append(
+            {
+                "case": "rabbitmq 10 queues",
+                "who": "ferry copy",
+                "messages": report["read"],
+                "seconds": report["seconds"],
+                "rate": report["read"] / report["seconds"],
+                "wall": run["wall"],
+                "client_cpu": run["cpu"],
+                "broker_cpu": broker.cpu,
+                "client_rss": run["peak_rss"],
+                "broker_rss": broker.peak,
+                "round": round_,
+            }
+        )
     lab.down("rabbit-dr", root, log=lambda _: None)
     return rows
 
@@ -311,7 +317,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["rabbitmq", "jetstream"])
     parser.add_argument("--partitions", default="1,2,4", help="the parallel cases")
     parser.add_argument("--ferry-args", default="", help="extra arguments for every `ferry copy`")
-    parser.add_argument("--runs", type=int, default=1, help="JetStream: rounds of sourcing and every case")
+    parser.add_argument("--runs", type=int, default=1, help="rounds of each anchor and every ferry case")
     parser.add_argument("--batched-only", action="store_true", help="JetStream: only the cases that batch")
     args = parser.parse_args()
     n = 100_000 if args.quick else args.messages
@@ -321,7 +327,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         if args.only in (None, "rabbitmq"):
-            rows += bench_rabbitmq(root, n, args.size, args.ferry_args.split())
+            rows += bench_rabbitmq(root, n, args.size, args.ferry_args.split(), args.runs)
         if args.only in (None, "jetstream"):
             partitions = [int(k) for k in args.partitions.split(",")]
             rows += bench_jetstream(
