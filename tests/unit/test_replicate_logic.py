@@ -46,3 +46,20 @@ def test_stream_name_needs_the_placeholder(name: str) -> None:
     )
     with pytest.raises(UsageError, match="must contain"):
         _check(topo, Replication("nyc", "sfo", stream_name=name))
+
+
+def test_each_stream_is_relayed_to_the_server_that_leads_its_destination() -> None:
+    import json
+
+    from ferry.pipeline.jetstream import JetStreamDataSource
+    from ferry.topology import NatsCluster
+
+    def cluster(name: str) -> str:
+        brokers = [{"name": f"{name}-{i}", "url": f"nats://127.0.0.1:{4222 + i}"} for i in (1, 2, 3)]
+        return NatsCluster(kind="nats", brokers=brokers).model_dump_json()
+
+    relay_to = {"cluster": cluster("west"), "cluster_name": "west", "leaders": {"A": "west-2"}}
+    options = {"cluster": cluster("east"), "stream": "A,B", "relay_to": json.dumps(relay_to)}
+    relay = JetStreamDataSource(options).streamReader(None).relay
+    assert relay is not None and relay["A"].leader == "west-2" and relay["B"].leader == ""
+    assert relay["A"].name == relay["B"].name == "west"  # the rest of the write options as given

@@ -117,13 +117,16 @@ async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
     return found
 
 
-async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) -> tuple[list[str], bool]:
+async def _ensure_streams(
+    topo: Topology, rep: Replication, streams: list[str]
+) -> tuple[list[str], bool, dict[str, str]]:
     """Create the destination streams that are missing, like their sources (allowing fast batch
-    publishing): the names created, and whether every destination stream allows batches."""
+    publishing): the names created, whether every destination stream allows batches, and the
+    server that leads each one (by source stream), for the relay's connections."""
     from nats.js.api import RetentionPolicy
     from nats.js.errors import APIError, NotFoundError
 
-    created, batched = [], True
+    created, batched, leaders = [], True, {}
     async with (
         bnats.session(_cluster(topo, rep.source), name=CONTROL) as snc,
         bnats.session(_cluster(topo, rep.dest), name=CONTROL) as dnc,
@@ -131,7 +134,7 @@ async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) 
         for stream in streams:
             name = rep.dest_stream(stream)
             try:
-                config = (await dnc.jsm().stream_info(name)).config
+                info = await dnc.jsm().stream_info(name)
             except NotFoundError:
                 config = (await snc.jsm().stream_info(stream)).config
                 config.name = name
@@ -140,15 +143,16 @@ async def _ensure_streams(topo: Topology, rep: Replication, streams: list[str]) 
                 config.retention = RetentionPolicy.LIMITS
                 config.allow_batched = True  # so that the relay can publish in fast batches
                 try:
-                    config = (await dnc.jsm().add_stream(config)).config
+                    info = await dnc.jsm().add_stream(config)
                 except APIError as exc:
                     raise FerryError(f"cannot create {name} at {rep.dest}: {exc.description}") from None
                 created.append(name)
+            config, leaders[stream] = info.config, (info.cluster and info.cluster.leader) or ""
             batched = batched and bool(config.allow_batched)  # servers before 2.14 drop the setting
             if config.retention != RetentionPolicy.LIMITS:
                 # the resume point is read from what the destination holds: it must not delete on its own
                 raise UsageError(f"{name} at {rep.dest} must have limits retention (it has {config.retention})")
-    return created, batched
+    return created, batched, leaders
 
 
 # -- where the destination is ----------------------------------------------------------------
@@ -267,7 +271,13 @@ def held_everywhere(spark: Any, topo: Topology, rep: Replication, stream: str) -
 
 
 def start_query(
-    spark: Any, topo: Topology, rep: Replication, after: dict[str, int], checkpoint: str, batched: bool = False
+    spark: Any,
+    topo: Topology,
+    rep: Replication,
+    after: dict[str, int],
+    checkpoint: str,
+    batched: bool = False,
+    leaders: dict[str, str] | None = None,
 ) -> Any:
     """The relay: a streaming query over the source streams after `after`, one read task per stream
     per micro-batch, so each stream is relayed in its order (two tasks made a 10,000 msg/s cycle
@@ -281,7 +291,9 @@ def start_query(
     and were the lag's floor (p99 1.08 s at 10,000 msg/s, 0.27 s without them). Async logs may
     lag the data after a crash, which costs nothing here: a relay never restarts from them.
 
-    `batched`: every destination stream allows fast batch publishing (ferry creates them so)."""
+    `batched`: every destination stream allows fast batch publishing (ferry creates them so).
+    `leaders`: the server leading each source stream's destination stream, which its read task
+    publishes to (no hop between servers for every message)."""
     cfg = _write_cfg(topo, rep)
     relay_to = {
         "cluster": cfg.cluster,
@@ -290,6 +302,7 @@ def start_query(
         "origin_headers": "false",
         "subject_prefix": rep.subject_prefix,
         "batched": str(batched).lower(),
+        "leaders": leaders or {},
     }
     return (
         spark.readStream.format("jetstream")
@@ -366,7 +379,7 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
             return {**state, "created": (await _ensure_streams(topo, rep, streams))[0], "already": True}
         if state and j.owner_alive(state):
             raise Conflict(f"the relay {rep.source} -> {rep.dest} is still stopping; try again in a few seconds")
-        created, _ = await _ensure_streams(topo, rep, streams)
+        created, *_ = await _ensure_streams(topo, rep, streams)
         state = state or {"state": "defined"}
         new = {**state, **asdict(rep), "desired": "running"}
         if "source" in state and Replication.from_state(state) != rep:
@@ -530,7 +543,7 @@ class Relay:
         j = lease.j
         rep = Replication.from_state(j.state)
         streams = await _streams(_cluster(self.topo, rep.source), rep.streams, rep.source)
-        created, batched = await _ensure_streams(self.topo, rep, streams)
+        created, batched, leaders = await _ensure_streams(self.topo, rep, streams)
         marker = j.state.get("marker") or {}
         if set(streams) <= set(marker):
             after, replayed, how = {s: int(marker[s]) for s in streams}, 0, "marker"
@@ -548,7 +561,7 @@ class Relay:
         j.state["progress"] = {s: {"relayed": n} for s, n in after.items()}
         await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
         checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
-        query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched)
+        query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched, leaders)
         tracker, warm = _Progress(self.topo, rep, after), False
         try:
             while not lease.lost.is_set():

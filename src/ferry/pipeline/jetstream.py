@@ -15,9 +15,11 @@ Options (all strings):
   ``fetch`` (messages per pull request; default about 8 MB worth, at most 5,000).
 - streaming read: ``starting`` = ``earliest`` | ``latest`` | JSON
   ``{"STREAM": last_seq_already_processed}``; ``max_messages_per_batch``;
-  ``relay_to`` (JSON of write options): each read task publishes its messages that
-  carry no ``Ferry-Origin-Site`` itself and yields one row of counts (schema
-  ``COUNTS_DDL``), so no message crosses the JVM (what ``ferry replicate`` runs).
+  ``relay_to`` (JSON of write options, and ``leaders``: the server leading each
+  stream's destination, ``{"STREAM": "server"}``): each read task publishes its
+  messages that carry no ``Ferry-Origin-Site`` itself and yields one row of
+  counts (schema ``COUNTS_DDL``), so no message crosses the JVM (what ``ferry
+  replicate`` runs).
 - write: ``stream`` (destination; published with ``Nats-Expected-Stream``),
   ``window`` (in-flight publishes, 512), ``ack_timeout`` (seconds, 2),
   ``give_up_after`` (seconds, 120), ``ordered`` (``true``: keep sequence order
@@ -28,7 +30,9 @@ Options (all strings):
   apply, the stream paces it), ``origin_headers`` (``true``: add
   ``Ferry-Source`` and ``Ferry-Source-Seq``), ``subject_prefix``, ``origin_site``
   (a relay's site: a message without ``Ferry-Origin-Site`` gets ``Ferry-Origin-Site``,
-  ``-Stream``, ``-Seq`` and ``-Msg-Id`` saying where it was first stored).
+  ``-Stream``, ``-Seq`` and ``-Msg-Id`` saying where it was first stored),
+  ``leader`` (the ``server_name`` leading the stream: ferry connects to it
+  first, so no message takes a hop between servers).
 
 Headers: reads drop the publish-time directives ``Nats-Expected-*`` (the
 server stores them with the message, but they are not message data). Writes
@@ -61,7 +65,7 @@ import functools
 import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -197,6 +201,7 @@ class WriteConfig:
             subject_prefix=options.get("subject_prefix") or "",
             origin_site=options.get("origin_site") or "",
             rate=float(options["rate"]) if options.get("rate") else None,
+            leader=options.get("leader") or "",
         )
 
     def nats(self) -> NatsCluster:
@@ -634,7 +639,12 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     """Offsets are {stream: last sequence processed}."""
 
     def __init__(
-        self, cfg: ReadConfig, starting: str, max_per_batch: int | None, parts: int, relay: WriteConfig | None = None
+        self,
+        cfg: ReadConfig,
+        starting: str,
+        max_per_batch: int | None,
+        parts: int,
+        relay: dict[str, WriteConfig] | None = None,  # by source stream
     ) -> None:
         self.cfg = cfg
         self.starting = starting
@@ -688,7 +698,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def read(self, partition: Range) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         if self.relay:
-            return iter([relay_range(self.cfg, self.relay, partition).as_batch()])
+            return iter([relay_range(self.cfg, self.relay[partition.stream], partition).as_batch()])
         return iterate(read_range(self.cfg, partition))
 
     def commit(self, end: dict[str, int]) -> None:
@@ -961,12 +971,18 @@ class JetStreamDataSource(DataSource):
 
     def streamReader(self, schema: Any) -> JetStreamStreamReader:
         options = dict(self.options)
+        cfg = ReadConfig.from_options(options)
+        relay = None
+        if options.get("relay_to"):
+            to = json.loads(options["relay_to"])
+            leaders, base = to.pop("leaders", {}), WriteConfig.from_options(to)
+            relay = {s: replace(base, leader=leaders.get(s, "")) for s in cfg.streams}
         return JetStreamStreamReader(
-            ReadConfig.from_options(options),
+            cfg,
             options.get("starting", "earliest"),
             opt_int(options, "max_messages_per_batch"),
             opt_int(options, "partitions", 1) or 1,
-            WriteConfig.from_options(json.loads(options["relay_to"])) if options.get("relay_to") else None,
+            relay,
         )
 
     def writer(self, schema: Any, overwrite: bool) -> JetStreamWriter:
