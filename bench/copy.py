@@ -101,8 +101,6 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
     topo = load_topology(state.path / "topology.yaml")
     per_queue = n // len(QUEUES)
     total = per_queue * len(QUEUES)
-    print(f"rabbitmq: filling {len(QUEUES)} queues on ltm with {total:,} messages of {size} bytes", flush=True)
-    asyncio.run(_fill_queues(topo, "ltm", per_queue, size))
     beams = _beam_pids(state)
 
     # anchor: dynamic shovels ltm -> pc1
@@ -136,7 +134,9 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
         return elapsed
 
     rows: list[dict[str, Any]] = []
-    for round_ in range(1, runs + 1):  # each round moves everything to pc1 and back
+    for round_ in range(1, runs + 1):  # each round: fresh queues, shovels to pc1, ferry back to ltm
+        print(f"rabbitmq (round {round_}): filling {len(QUEUES)} queues on ltm with {total:,} messages", flush=True)
+        asyncio.run(_fill_queues(topo, "ltm", per_queue, size))
         print(f"rabbitmq (round {round_}): shovels ltm -> pc1", flush=True)
         with PeakRss(pids=beams) as broker:
             seconds = asyncio.run(shovel())

@@ -109,7 +109,7 @@ async def fill_stream(
 
 async def stream_leader(topo: Topology, cluster: str, stream: str) -> str:
     async with bnats.session(topo.nats(cluster)) as nc:
-        return (await nc.jsm().stream_info(stream)).cluster.leader
+        return bnats.leader_of(await nc.jsm().stream_info(stream))
 
 
 def stream_count(topo: Topology, cluster: str, stream: str) -> int:

@@ -165,7 +165,8 @@ def test_a_connection_dropped_mid_batch_loses_no_message(
 def _relay_configs(
     topo: Topology, source: str, dest: str, prefix: str, subject: str | None = None
 ) -> tuple[ReadConfig, WriteConfig]:
-    """A relay's read (east `source`) and write configs, into a new R1 stream `dest` in west."""
+    """A relay's read (east `source`) and write configs, into a new R1 stream `dest` in west (its
+    server named as the leader, as `ferry replicate` names it)."""
     asyncio.run(make_stream(topo, "west", dest, [f"{prefix}csrc.>"], replicas=1, placement="west"))
     cfg = ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=(source,), subject=subject)
     to = WriteConfig(
@@ -174,6 +175,7 @@ def _relay_configs(
         origin_site="east",
         origin_headers=False,
         subject_prefix=prefix,
+        leader=asyncio.run(stream_leader(topo, "west", dest)),
     )
     return cfg, to
 
@@ -192,7 +194,7 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
 
     def relay(lo: int, hi: int) -> tuple[int, int, str | None]:
         counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=1000))
-        return counts.stored, counts.duplicates, _reader(cfg, to, source_stream).consumer
+        return counts.stored, counts.duplicates, _link(cfg, to, source_stream).reader.consumer
 
     async def consumer_leader(name: str) -> str:
         async with bnats.session(topo.nats("east")) as nc:
@@ -200,8 +202,10 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
 
     first = relay(1, 10_000)
     assert first[:2] == (10_000, 0) and first[2]
-    # messages come straight from the server that leads the consumer, not through another one
-    assert _reader(cfg, to, source_stream).w.server_name == asyncio.run(consumer_leader(first[2]))
+    # messages come straight from the server that leads the consumer, not through another one, and
+    # go straight to the one that leads the destination stream
+    assert _link(cfg, to, source_stream).reader.w.server_name == asyncio.run(consumer_leader(first[2]))
+    assert to.leader and _link(cfg, to, source_stream).dest.server_name == to.leader
     assert relay(10_001, 25_000) == (15_000, 0, first[2]), "the next range did not go on with the consumer"
     again = relay(5_001, 6_000)
     assert again[:2] == (0, 1_000), "a range relayed again was stored again"
@@ -221,10 +225,10 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
     assert seqs == list(range(1, N + 1))
 
 
-def _reader(cfg: ReadConfig, to: WriteConfig, stream: str):
+def _link(cfg: ReadConfig, to: WriteConfig, stream: str):
     from ferry.pipeline import _kept
 
-    return _kept._entries[("relay", cfg, to, stream)][1].reader
+    return _kept._entries[("relay", cfg, to, stream)][1]
 
 
 def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_a_range(
@@ -242,7 +246,7 @@ def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_
     for lo, hi in [(1, 9_990), (9_991, 9_999), (10_000, 30_000), (30_001, N)]:
         counts = pj.relay_range(cfg, to, pj.Range(source_stream, lo, hi, fetch=500))
         assert counts.duplicates == 0
-        consumers.append(_kept._entries[key][1].reader.consumer)
+        consumers.append(_link(cfg, to, source_stream).reader.consumer)
     _kept.run(_kept._drop(key))
     assert consumers[0] and len(set(consumers)) == 1, "a filtered range did not go on with the consumer"
     rows = asyncio.run(read_stream(topo, "west", "CRELAYF"))
@@ -296,8 +300,8 @@ def test_stream_copy_rides_out_the_kill_of_a_destination_server(
         wait_for(lambda: proc.poll() is not None or stream_count(topo, "west", dest) >= N // 3, 120, "a third copied")
         assert proc.poll() is None, "the copy ended before the kill"
         writing_to = wait_for(lambda: _writing_to(topo), 10, "a writer's connection in west")
-        assert writing_to == leader, "the writers publish through a server that does not lead the stream"
-        victim = supercluster.proc(writing_to)
+        assert writing_to == {leader}, "the writers publish through a server that does not lead the stream"
+        victim = supercluster.proc(leader)
         victim.signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-2000:]
@@ -314,13 +318,14 @@ def test_stream_copy_rides_out_the_kill_of_a_destination_server(
     _check_copy(supercluster, dest, prefix, ordered=False)
 
 
-def _writing_to(topo: Topology) -> str | None:
-    """A west server with one of the data plane's connections."""
+def _writing_to(topo: Topology) -> set[str]:
+    """The west servers with one of the data plane's connections."""
+    found = set()
     for b in topo.nats("west").brokers:
         conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 100000}, timeout=5).json()["connections"] or []
         if any(c.get("name") == "ferry-data" for c in conns):
-            return b.name
-    return None
+            found.add(b.name)
+    return found
 
 
 def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source_stream: str, tmp_path: Path) -> None:

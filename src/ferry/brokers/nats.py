@@ -223,6 +223,11 @@ async def stream_delete(cluster: NatsCluster, name: str, cluster_name: str = "")
             raise NotFound(f"stream {name!r} not found", stream=name) from None
 
 
+def leader_of(info: Any) -> str:
+    """The server that leads a stream or consumer (nats-py's info), or "" when it has none."""
+    return (info.cluster and info.cluster.leader) or ""
+
+
 def _stream_summary(info: Any) -> dict:
     c = info.cluster
     return {

@@ -147,7 +147,7 @@ async def _ensure_streams(
                 except APIError as exc:
                     raise FerryError(f"cannot create {name} at {rep.dest}: {exc.description}") from None
                 created.append(name)
-            config, leaders[stream] = info.config, (info.cluster and info.cluster.leader) or ""
+            config, leaders[stream] = info.config, bnats.leader_of(info)
             batched = batched and bool(config.allow_batched)  # servers before 2.14 drop the setting
             if config.retention != RetentionPolicy.LIMITS:
                 # the resume point is read from what the destination holds: it must not delete on its own

@@ -132,7 +132,7 @@ class Wire:
         self.server_name = ""  # the server connected to (its INFO)
         # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
         # every message), else any: spread tasks over the servers, as nats-py does
-        names = [b.name for b in cluster.brokers] if urls is None else []
+        names = [b.name for b in cluster.brokers] if not urls else []
         self._server = names.index(prefer) if prefer in names else random.randrange(len(self.urls))
 
     @classmethod
@@ -258,6 +258,7 @@ class Wire:
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
                 await self._read_loop(reader)
             self._connected.clear()
+            self.server_name = ""
             self._out.clear()
             while self._pongs:
                 self._pongs.popleft().cancel()
@@ -272,7 +273,6 @@ class Wire:
             if not line.startswith(b"INFO "):
                 raise BrokerUnavailable(f"{self.name}: {url} did not greet with INFO")
             info = json.loads(line[5:])
-            self.server_name = info.get("server_name", "")
             if info.get("tls_required"):
                 raise ConfigError(f"{self.name}: {url} requires TLS, which ferry's data plane does not speak")
             options: dict[str, Any] = {
@@ -292,6 +292,7 @@ class Wire:
             while True:
                 line = await reader.readline()
                 if line.startswith(b"PONG"):
+                    self.server_name = info.get("server_name", "")
                     return reader, writer
                 if line.startswith(b"-ERR"):
                     text = line[4:].strip().strip(b"'").decode()

@@ -98,6 +98,7 @@ class CopyPlan:
             "resume_from": self.resume_from,
             "anti_join": self.anti_join,
             "batched": self.batched,
+            "leader": self.leader,
             "transfer_id": self.transfer_id,
             "notes": self.notes,
         }
@@ -248,7 +249,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
             info = await _create_stream(topology, plan, jsm)
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
         _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
-        plan.leader = info.cluster.leader if info.cluster and info.cluster.leader else ""
+        plan.leader = bnats.leader_of(info)
         if plan.source.kind != "jetstream" or info.state.messages == 0:
             return
         source_name = f"{plan.source.cluster}/{plan.source.stream}"
@@ -523,6 +524,7 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
             "cluster": topology.nats(dst.cluster or "").model_dump_json(),
             "name": dst.cluster,
             "stream": dst.stream,
+            "leader": plan.leader,
         }
     else:
         sink = {"kind": "parquet", "path": str(Path(dst.path or "").absolute())}

@@ -386,8 +386,9 @@ class _Reader:
     range starts. With ``keep``, the consumer stays after a range that ended cleanly, and the
     next range that starts right after it goes on with it (a relay's micro-batches).
 
-    Messages come on a :class:`Wire` opened with the first consumer, to the server that leads it:
-    then no message crosses from one server to another on its way to ferry."""
+    Messages come on a :class:`Wire` to the server that leads the consumer (opened with the
+    consumer, again when a new consumer is led by another server): then no message crosses from
+    one server to another on its way to ferry."""
 
     def __init__(self, cfg: ReadConfig, stream: str, nc: Any) -> None:
         self.cfg, self.stream, self.nc = cfg, stream, nc
@@ -444,9 +445,12 @@ class _Reader:
         if info.num_pending == 0:
             await self._drop()
             return False
+        leader = bnats.leader_of(info)
+        if self.w and leader and self.w.server_name != leader:  # this consumer is led elsewhere
+            await self.w.close()
+            self.w = None
         if self.w is None:
-            leader = info.cluster.leader if info.cluster else None
-            self.w = await Wire.open(self.cfg.nats(), self.cfg.name, timeout=30, prefer=leader or "")
+            self.w = await Wire.open(self.cfg.nats(), self.cfg.name, timeout=30, prefer=leader)
         self.puller = _Puller(self.w, self.stream, info.name)
         await self.puller.start()
         return True
@@ -598,7 +602,7 @@ class _RelayLink:
     async def open(cls, cfg: ReadConfig, to: WriteConfig, stream: str) -> _RelayLink:
         reader = await _Reader.open(cfg, stream)
         try:
-            return cls(reader, await Wire.open(to.nats(), to.name, timeout=30))
+            return cls(reader, await Wire.open(to.nats(), to.name, timeout=30, prefer=to.leader))
         except BaseException:
             await reader.close()
             raise

@@ -289,7 +289,8 @@ class _JetStreamSink(_Sink):
         self.spec, self.transfer_id = spec, transfer_id
 
     async def open(self) -> None:
-        self.nc = await Wire.open(nats_cluster(self.spec["cluster"]), self.spec.get("name", ""))
+        cluster = nats_cluster(self.spec["cluster"])
+        self.nc = await Wire.open(cluster, self.spec.get("name", ""), prefer=self.spec.get("leader", ""))
         self.pub = Publisher(self.nc, window=512, on_ack=self._on_ack)
         await self.pub.start()
 
