@@ -96,6 +96,41 @@ async def _fill_queues(topo: Topology, cluster: str, per_queue: int, size: int) 
     await conn.close()
 
 
+def _anchor_row(case: str, who: str, n: int, seconds: float, broker: PeakRss, round_: int) -> dict[str, Any]:
+    """A native mover's row: it runs inside the brokers, so no client of its own."""
+    return {
+        "case": case,
+        "who": who,
+        "messages": n,
+        "seconds": seconds,
+        "rate": n / seconds,
+        "wall": seconds,
+        "client_cpu": 0.0,
+        "broker_cpu": broker.cpu,
+        "client_rss": 0,
+        "broker_rss": broker.peak,
+        "round": round_,
+    }
+
+
+def _ferry_row(case: str, who: str, run: dict[str, Any], broker: PeakRss, round_: int) -> dict[str, Any]:
+    """A `ferry copy` row from :func:`run_ferry`'s result (rate over the copy job's own seconds)."""
+    report = run["report"]
+    return {
+        "case": case,
+        "who": who,
+        "messages": report["read"],
+        "seconds": report["seconds"],
+        "rate": report["read"] / report["seconds"],
+        "wall": run["wall"],
+        "client_cpu": run["cpu"],
+        "broker_cpu": broker.cpu,
+        "client_rss": run["peak_rss"],
+        "broker_rss": broker.peak,
+        "round": round_,
+    }
+
+
 def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 1) -> list[dict[str, Any]]:
     state = lab.up("rabbit-dr", root, log=lambda _: None)
     topo = load_topology(state.path / "topology.yaml")
@@ -140,21 +175,7 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
         print(f"rabbitmq (round {round_}): shovels ltm -> pc1", flush=True)
         with PeakRss(pids=beams) as broker:
             seconds = asyncio.run(shovel())
-        rows.append(
-            {
-                "case": "rabbitmq 10 queues",
-                "who": "shovels (anchor)",
-                "messages": total,
-                "seconds": seconds,
-                "rate": total / seconds,
-                "wall": seconds,
-                "client_cpu": 0.0,
-                "broker_cpu": broker.cpu,
-                "client_rss": 0,
-                "broker_rss": broker.peak,
-                "round": round_,
-            }
-        )
+        rows.append(_anchor_row("rabbitmq 10 queues", "shovels (anchor)", total, seconds, broker, round_))
 
         print(f"rabbitmq (round {round_}): ferry copy pc1 -> ltm", flush=True)
         with PeakRss(pids=beams) as broker:
@@ -164,21 +185,7 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
         report = run["report"]
         landed = asyncio.run(_depths(topo, "ltm"))
         assert report["read"] == landed == total, f"ferry moved {report['read']:,}, ltm holds {landed:,} of {total:,}"
-        rows.append(
-            {
-                "case": "rabbitmq 10 queues",
-                "who": "ferry copy",
-                "messages": report["read"],
-                "seconds": report["seconds"],
-                "rate": report["read"] / report["seconds"],
-                "wall": run["wall"],
-                "client_cpu": run["cpu"],
-                "broker_cpu": broker.cpu,
-                "client_rss": run["peak_rss"],
-                "broker_rss": broker.peak,
-                "round": round_,
-            }
-        )
+        rows.append(_ferry_row("rabbitmq 10 queues", "ferry copy", run, broker, round_))
     lab.down("rabbit-dr", root, log=lambda _: None)
     return rows
 
@@ -249,21 +256,7 @@ def _jetstream_round(
     print(f"jetstream (round {round_}): server-side sourcing east -> west", flush=True)
     with PeakRss(pids=servers) as broker:
         seconds = asyncio.run(sourcing())
-    rows = [
-        {
-            "case": "jetstream R3 east->west",
-            "who": "stream sourcing (anchor)",
-            "messages": n,
-            "seconds": seconds,
-            "rate": n / seconds,
-            "wall": seconds,
-            "client_cpu": 0.0,
-            "broker_cpu": broker.cpu,
-            "client_rss": 0,
-            "broker_rss": broker.peak,
-            "round": round_,
-        }
-    ]
+    rows = [_anchor_row("jetstream R3 east->west", "stream sourcing (anchor)", n, seconds, broker, round_)]
     asyncio.run(_delete(topo, "west", "NATIVE"))
 
     cases = [("ordered", [], False), ("ordered, batched", [], True)]
@@ -288,23 +281,8 @@ def _jetstream_round(
                 ],
                 state.path / "topology.yaml",
             )
-        report = run["report"]
         assert asyncio.run(_count(topo, "west", dest)) == n, f"ferry {label} did not copy everything"
-        rows.append(
-            {
-                "case": "jetstream R3 east->west",
-                "who": f"ferry copy {label}",
-                "messages": report["read"],
-                "seconds": report["seconds"],
-                "rate": report["read"] / report["seconds"],
-                "wall": run["wall"],
-                "client_cpu": run["cpu"],
-                "broker_cpu": broker.cpu,
-                "client_rss": run["peak_rss"],
-                "broker_rss": broker.peak,
-                "round": round_,
-            }
-        )
+        rows.append(_ferry_row("jetstream R3 east->west", f"ferry copy {label}", run, broker, round_))
         asyncio.run(_delete(topo, "west", dest))
     return rows
 
