@@ -198,7 +198,7 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
 
     async def consumer_leader(name: str) -> str:
         async with bnats.session(topo.nats("east")) as nc:
-            return (await nc.jsm().consumer_info(source_stream, name)).cluster.leader
+            return bnats.leader_of(await nc.jsm().consumer_info(source_stream, name))
 
     first = relay(1, 10_000)
     assert first[:2] == (10_000, 0) and first[2]
