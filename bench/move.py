@@ -102,7 +102,7 @@ async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]
     async with bnats.session(topo.nats("west")) as nc:
         info = await mv.stream_info(nc, name)
         seq0 = info["state"]["last_seq"]
-        guard = mv.Guard(nc, info["config"]["subjects"], capture_dir / "capture-native.arrow")
+        guard = mv.Guard(topo.nats("west"), info["config"]["subjects"], capture_dir / "capture-native.arrow")
         await guard.start()
         west = {f"west-{i}" for i in (1, 2, 3)}
         t0 = time.monotonic()

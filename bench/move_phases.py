@@ -82,7 +82,13 @@ def main() -> None:
             time.sleep(3)
             T0[0] = time.monotonic()
             req = mv.MoveRequest(stream=name, to="west", state_dir=out / "state")
-            res = asyncio.run(mv.move(topo.nats("west"), req, emit=lambda ev, **_: stamp(ev)))
+            res = asyncio.run(
+                mv.move(
+                    topo.nats("west"),
+                    req,
+                    emit=lambda ev, **d: stamp(ev + (f" {d}" if ev in ("handoff", "leader") else "")),
+                )
+            )
             stamp(f"total, captured {res.get('captured')}, missed {res.get('missed')}")
             for p in procs:
                 p.wait(timeout=120)

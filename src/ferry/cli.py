@@ -450,6 +450,10 @@ def _print_event(event: str, **data: Any) -> None:
         line = f"{data['at_s']:>6.2f}s peers {ps} last_seq {data['last_seq']:,}"
     elif event == "leader":
         line = f"{data['at_s']:>6.2f}s leader {data['previous']} -> {data['leader']}"
+    elif event == "handoff":
+        line = f"{data['at_s']:>6.2f}s handoff {data['from']} -> {data['to']} (destination caught up)"
+        if data.get("error"):
+            line += f": {data['error']}"
     elif event == "guard" and "captured" in data:
         line = (
             f"guard: heard {data['captured']:,}, stream missed {data['missed']:,}, "

@@ -169,6 +169,9 @@ def test_move_under_core_and_jetstream_load_loses_nothing(
     assert result["cluster"] == "west" and all(p.startswith("west-") for p in result["peers"])
     assert result["reinjected"] + result["already_stored"] == result["missed"]
     assert result["captured"] > 0 and result["unavailable_s"] < 5
+    # the leadership only ever moves into the destination (ferry's handoff included, when it made one)
+    assert result["leader_changes"] and all(c["to"].startswith("west-") for c in result["leader_changes"]), result
+    assert result["handoff"] is None or result["handoff"]["from"].startswith("east-"), result
     assert where(topology, "MOVE_A")[0] == "west"
 
     t = judge(spark, topology, ledgers, "jetstream://west/MOVE_A", tmp_path / "audit.html")

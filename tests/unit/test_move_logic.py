@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 from hypothesis import given
@@ -13,6 +15,7 @@ from ferry.ops.move import (
     Server,
     _ts_ns,
     destination_refusal,
+    handoff_candidate,
     identity,
     missing,
     unavailable_window,
@@ -162,3 +165,99 @@ def test_paged_fetches_what_a_cluster_list_names_missing(monkeypatch) -> None:
     assert asked == [0, 2]
     with pytest.raises(move.FerryError, match="no answer about B"):
         asyncio.run(collect(None))
+
+
+def info_with(leader: str, status: str | None, replicas: list[tuple[str, bool, int, float]], n: int = 3) -> dict:
+    cluster: dict = {
+        "leader": leader,
+        "replicas": [{"name": r[0], "current": r[1], "lag": r[2], "active": r[3]} for r in replicas],
+    }
+    if status:
+        line = "waiting for desired peers to catch up" if status == "catchup" else "adding peer west-1"
+        cluster["desired"] = {"status": {"type": status, "description": line}}
+    return {"config": {"num_replicas": n}, "cluster": cluster}
+
+
+def test_handoff_waits_for_a_current_destination_majority_and_a_server_that_reports_its_migration() -> None:
+    west = {"west-1", "west-2", "west-3"}
+    caught_up = [
+        ("east-2", True, 0, 0.1),
+        ("west-1", True, 0, 0.02),
+        ("west-2", True, 0, 0.01),
+        ("west-3", True, 0, 0.3),
+    ]
+    assert handoff_candidate(info_with("east-1", "catchup", caught_up), west) == "west-2"  # heard from last
+    # a server that does not report its migration (before 2.15), or is doing something else
+    assert handoff_candidate(info_with("east-1", None, caught_up), west) is None
+    assert handoff_candidate(info_with("east-1", "membership", caught_up), west) is None
+    adding = info_with("east-1", "catchup", caught_up)
+    adding["cluster"]["desired"]["status"]["description"] = "waiting for peer to catch up before adding it"
+    assert handoff_candidate(adding, west) is None
+    # the leader already in the destination
+    assert handoff_candidate(info_with("west-3", "catchup", caught_up), west) is None
+    # a majority of the destination is enough, and only a current peer is named
+    lagging = [*caught_up[:2], ("west-2", True, 4, 0.0), ("west-3", True, 0, 0.3)]
+    assert handoff_candidate(info_with("east-1", "catchup", lagging), west) == "west-1"
+    # not while two of three are behind, or before every destination peer is in the group
+    behind = [*caught_up[:2], ("west-2", False, 0, 0.0), ("west-3", True, 9, 0.3)]
+    assert handoff_candidate(info_with("east-1", "catchup", behind), west) is None
+    assert handoff_candidate(info_with("east-1", "catchup", caught_up[:3]), west) is None
+
+
+def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None:
+    """`_watch` asks for the step-down only once the destination is ready and the peer's own
+    health check passes, names the peer, and asks once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ferry.ops import move
+
+    ready = [("east-2", True, 0, 0.1), ("west-1", True, 0, 0.2), ("west-2", True, 0, 0.01), ("west-3", True, 0, 0.3)]
+    lagging = [ready[0], ("west-1", False, 0, 0.2), ("west-2", True, 0, 0.01), ("west-3", True, 7, 0.3)]
+    placement = {"cluster": "west"}
+    script = [
+        info_with("east-1", "membership", ready),  # the server is adding peers
+        info_with("east-1", "catchup", lagging),  # two of three destination peers behind
+        info_with("east-1", "catchup", ready),  # west-2 says it cannot lead yet
+        info_with("east-1", "catchup", ready),  # hand off to west-2, the one heard from last
+        info_with("east-1", "catchup", ready),  # not asked again
+        info_with("west-2", "membership", [("west-1", True, 0, 0.1), ("west-3", True, 0, 0.1)]),
+    ]
+    for i in script:
+        i["config"]["placement"] = placement
+        i["state"] = {"last_seq": 1}
+    asked: list[tuple[str, dict | None, int]] = []
+    events: list[tuple[str, dict]] = []
+
+    async def api(nc, subject, payload=None, timeout=5.0):
+        if ".STEPDOWN." in subject:
+            asked.append((subject, payload, len(script)))  # polls left: which poll it followed
+            return {"success": True}
+        return script.pop(0)
+
+    healthy = iter([False, True])
+
+    async def ready_to_lead(sysnc, server, account, stream, leader):
+        assert (server, account, stream, leader) == ("west-2", "APP", "S", "east-1")
+        return next(healthy)
+
+    monkeypatch.setattr(move, "api", api)
+    monkeypatch.setattr(move, "ready_to_lead", ready_to_lead)
+    journal = SimpleNamespace(
+        state={
+            "dest_servers": ["west-1", "west-2", "west-3"],
+            "origin_servers": ["east-1", "east-2", "east-3"],
+            "placement": placement,
+            "account": "APP",
+        },
+        save_soon=lambda **_: None,
+    )
+    req = SimpleNamespace(stream="S", timeout=60)
+    outcome, watched = asyncio.run(
+        move._watch(None, None, req, journal, lambda e, **d: events.append((e, d)), None, time.monotonic())
+    )
+    assert outcome == "moved"
+    assert asked == [("$JS.API.STREAM.LEADER.STEPDOWN.S", {"placement": {"preferred": "west-2"}}, 2)]
+    assert watched["handoff"]["from"] == "east-1" and watched["handoff"]["to"] == "west-2"
+    assert [d["to"] for e, d in events if e == "handoff"] == ["west-2"]
+    assert watched["leader_changes"][0]["to"] == "west-2"

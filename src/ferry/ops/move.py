@@ -16,12 +16,15 @@ The server does the move (a placement update); ferry makes it safe:
    present (the re-publish keeps it, so the stream's de-duplication absorbs a
    producer's own late retry), else subject + headers + payload, counted as a
    multiset.
-4. **Progress**: peers, lag, leader changes, leaderless time; the
+4. **Leader handoff** (nats-server 2.15+): once the destination peers have
+   caught up, ferry asks the origin leader to step down to one of them instead
+   of waiting for the server's sampled check to pass (``handoff_candidate``).
+5. **Progress**: peers, lag, leader changes, leaderless time; the
    unavailability window is measured from the traffic itself: the longest time
    during which publishes arrived and the stream stored none of them.
-5. **Timeout / Ctrl-C / ``--cancel``**: the system account's CANCEL_MOVE puts
+6. **Timeout / Ctrl-C / ``--cancel``**: the system account's CANCEL_MOVE puts
    the stream back where it was; ferry waits for it to be healthy there.
-6. **Verify**: messages, first/last sequence, per-subject counts unchanged but
+7. **Verify**: messages, first/last sequence, per-subject counts unchanged but
    for new publishes; every durable consumer keeps its configuration and ack
    floor and none points past the last sequence.
 
@@ -62,6 +65,8 @@ from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import BUCKET, Journal, owner_alive
+from ferry.pipeline._nats import Msg as WireMsg
+from ferry.pipeline._nats import Wire
 from ferry.publish import MSG_ID, SOURCE_HDR, SOURCE_SEQ_HDR, Publisher
 from ferry.topology import NatsCluster
 
@@ -227,6 +232,60 @@ def _in(info: dict, names: set[str]) -> bool:
     )
 
 
+def handoff_candidate(info: dict, dest: set[str]) -> str | None:
+    """The destination server to hand the stream's leadership to now, else None.
+
+    A server that reports its migration (nats-server 2.15+: ``cluster.desired.status``) moves the
+    leader only when a check, every 500 ms, samples a majority of its destination peers with no
+    lag; under load that took 1-2 s after they had caught up (bench/RESULTS.md, "`ferry move`").
+    So when the origin leader says it has every peer in the group and waits only for the
+    destination's to catch up, and a majority of them are current with no lag (the server's own
+    rule), ferry asks it to step down to the current one it heard from last, once that server
+    says it can (``ready_to_lead``): the same raft leader transfer the server would make, only
+    on a fresh answer (``_watch``). Older servers (no status) are left alone, and so is a move
+    still adding peers: a transfer then left the stream leaderless for a second on the lab.
+    """
+    c = info.get("cluster") or {}
+    status = (c.get("desired") or {}).get("status") or {}
+    # the status line the server gives once the group holds every peer (runStreamMigration);
+    # "catchup" alone also covers a peer not added yet
+    waiting = status.get("type") == "catchup" and status.get("description") == "waiting for desired peers to catch up"
+    if not waiting or not c.get("leader") or c["leader"] in dest:
+        return None
+    mine = [r for r in c.get("replicas") or [] if r.get("name") in dest]
+    if len(mine) < int(info["config"].get("num_replicas", 1)):
+        return None
+    current = [r for r in mine if r.get("current") and not r.get("lag") and not r.get("offline")]
+    if len(current) < len(mine) // 2 + 1:
+        return None
+    return min(current, key=lambda r: r.get("active", 0))["name"]
+
+
+async def ready_to_lead(sysnc: Client, server: str, account: str, stream: str, leader: str) -> bool:
+    """`server` can take over `stream` from `leader` now: its replica passes the server's own
+    health check (in particular it is not fetching the stream's messages, which travel outside
+    the Raft log: such a peer is "current" in stream info yet cannot lead at once), and it still
+    sees `leader` leading (the server may have handed over itself since stream info answered; a
+    second transfer would follow the first)."""
+    who = {"server_name": server, "exact_match": True, "account": account}
+
+    async def ask(kind: str, **q: Any) -> dict:
+        try:
+            r = await bnats.sys_request(sysnc, f"$SYS.REQ.SERVER.PING.{kind}", {**who, **q}, timeout=1.0)
+        except (FerryError, NatsTimeout, TimeoutError):
+            return {}
+        return r.get("data") or {}
+
+    health, jsz = await asyncio.gather(ask("HEALTHZ", stream=stream), ask("JSZ", streams=True))
+    seen = [
+        (d.get("cluster") or {}).get("leader")
+        for a in jsz.get("account_details") or []
+        for d in a.get("stream_detail") or []
+        if d.get("name") == stream
+    ]
+    return health.get("status") == "ok" and seen == [leader]
+
+
 async def paged(
     nc: Client, subject: str, key: str, info: Callable[[str], Awaitable[Any]] | None = None
 ) -> AsyncIterator[Any]:
@@ -342,12 +401,16 @@ def identity(subject: str, headers: dict[str, str] | None, payload: bytes) -> st
 
 
 class Guard:
-    """Subscribes to a stream's subjects and appends what it hears to an Arrow IPC file."""
+    """Listens to a stream's subjects and appends what it hears to an Arrow IPC file.
 
-    def __init__(self, nc: Client, subjects: list[str], path: Path, flush_every: float = 0.2) -> None:
-        self.nc, self.subjects, self.path, self.flush_every = nc, subjects, path, flush_every
+    It has a connection of its own, the data plane's lean one (``Wire``): at 24,000 msg/s nats-py
+    took more than a core, on the same event loop and connection as the move's polls, which
+    then answered late."""
+
+    def __init__(self, cluster: NatsCluster, subjects: list[str], path: Path, flush_every: float = 0.2) -> None:
+        self.cluster, self.subjects, self.path, self.flush_every = cluster, subjects, path, flush_every
         self.rows: dict[str, list] = {n: [] for n in CAPTURE_SCHEMA.names}
-        self._subs: list[Any] = []
+        self._conn: Wire | None = None
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._sink: Any = None
         self._flusher: asyncio.Task[None] | None = None
@@ -356,22 +419,22 @@ class Guard:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._sink = pa.OSFile(str(self.path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
+        self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
         for s in self.subjects:
-            self._subs.append(
-                await self.nc.subscribe(s, cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=-1)
-            )
-        await self.nc.flush(timeout=5)
+            await self._conn.subscribe(s, self._on_msg)
+        await self._conn.flush(timeout=5)
         # interest reaches the other clusters through the gateways a moment later
         await asyncio.sleep(0.3)
         self._flusher = asyncio.create_task(self._flush_loop())
 
-    async def _on_msg(self, m: Msg) -> None:
+    def _on_msg(self, m: WireMsg) -> None:
         r = self.rows
+        headers = m.headers
         r["recv_ns"].append(time.time_ns())
         r["subject"].append(m.subject)
-        r["headers"].append(list(m.headers.items()) if m.headers else None)
+        r["headers"].append(list(headers.items()) if headers else None)
         r["payload"].append(m.data)
-        r["identity"].append(identity(m.subject, m.headers, m.data))
+        r["identity"].append(identity(m.subject, headers, m.data))
 
     def _flush(self) -> None:
         if self.rows["recv_ns"] and self._writer:
@@ -386,10 +449,11 @@ class Guard:
             self._flush()
 
     async def stop(self) -> None:
-        for s in self._subs:
+        if self._conn:
             with contextlib.suppress(Exception):
-                await s.unsubscribe()
-        self._subs = []
+                await self._conn.flush(timeout=5)  # what the server sent before now has been heard
+            await self._conn.close()
+            self._conn = None
         if self._flusher:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -670,7 +734,7 @@ async def move(
         guard = None
         if req.guard and info["config"].get("subjects"):
             guard = Guard(
-                nc, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
+                cluster, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
             )
             await guard.start()
             emit("guard", subjects=info["config"]["subjects"], file=str(guard.path))
@@ -731,10 +795,12 @@ async def _watch(
     last_poll = time.monotonic()
     last_emit = last_beat = 0.0
     cancelled_at: float | None = None
+    handoff: dict[str, Any] | None = None
     while True:
         now = time.monotonic()
         try:
             info = await stream_info(nc, req.stream, timeout=1.0)
+            fresh = time.monotonic() - now < 0.6  # a busy leader answers late: its view is old news
         except (BrokerUnavailable, NatsTimeout, TimeoutError, FerryError) as exc:
             if isinstance(exc, NotFound):
                 raise
@@ -759,6 +825,14 @@ async def _watch(
             if cancelled_at is not None and _in(info, origin):
                 outcome = "cancelled"
                 break
+            ready = handoff_candidate(info, dest) if fresh and cancelled_at is None and handoff is None else None
+            if ready and await ready_to_lead(sysnc, ready, st["account"], req.stream, new_leader):
+                handoff = {"at_s": round(now - t0, 3), "from": new_leader, "to": ready}
+                try:
+                    await api(nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{req.stream}", {"placement": {"preferred": ready}})
+                except (FerryError, NatsTimeout, TimeoutError) as exc:  # e.g. the server moved it itself just now
+                    handoff["error"] = str(exc)
+                emit("handoff", **handoff)
             if now - last_emit >= 0.5:
                 last_emit = now
                 emit(
@@ -784,7 +858,12 @@ async def _watch(
             last_beat = now
             journal.save_soon()
         await asyncio.sleep(0.05)
-    return outcome, {"leader_changes": changes, "leaderless_s": round(leaderless, 3), "moved_in_s": round(now - t0, 3)}
+    return outcome, {
+        "leader_changes": changes,
+        "handoff": handoff,
+        "leaderless_s": round(leaderless, 3),
+        "moved_in_s": round(now - t0, 3),
+    }
 
 
 async def reconcile(

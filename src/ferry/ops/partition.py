@@ -694,7 +694,7 @@ async def _repartition(
     guards = {}
     for t in targets:
         guards[t] = mv.Guard(
-            nc, [m["pattern"] for m in moves if m["to"] == t], root / t / f"capture-{os.getpid()}.arrow"
+            cluster, [m["pattern"] for m in moves if m["to"] == t], root / t / f"capture-{os.getpid()}.arrow"
         )
         await guards[t].start()
     try:
