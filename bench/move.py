@@ -163,6 +163,7 @@ def one(topo: Topology, topology: Path, who: str, rate: int, prefill: int, work:
         t0 = time.monotonic()
         res = asyncio.run(mv.move(topo.nats("west"), req))
         r = {"took_s": time.monotonic() - t0, "unavailable_s": res["unavailable_s"], "missed": res["missed"]}
+        r |= {k: res[k] for k in ("handoff", "leader_changes", "leaderless_s")}
         assert res["outcome"] == "moved" and res["verify"]["ok"], res
     for p in procs:
         assert p.wait(timeout=120) == 0, f"ferry load exited {p.returncode}"

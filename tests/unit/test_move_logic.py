@@ -198,6 +198,8 @@ def test_handoff_waits_for_a_current_destination_majority_and_a_server_that_repo
     # a majority of the destination is enough, and only a current peer is named
     lagging = [*caught_up[:2], ("west-2", True, 4, 0.0), ("west-3", True, 0, 0.3)]
     assert handoff_candidate(info_with("east-1", "catchup", lagging), west) == "west-1"
+    assert handoff_candidate(info_with("east-1", "catchup", lagging), west, keep="west-3") == "west-3"
+    assert handoff_candidate(info_with("east-1", "catchup", lagging), west, keep="west-2") == "west-1"  # lagging
     # not while two of three are behind, or before every destination peer is in the group
     behind = [*caught_up[:2], ("west-2", False, 0, 0.0), ("west-3", True, 9, 0.3)]
     assert handoff_candidate(info_with("east-1", "catchup", behind), west) is None
@@ -219,7 +221,8 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
         info_with("east-1", "membership", ready),  # the server is adding peers
         info_with("east-1", "catchup", lagging),  # two of three destination peers behind
         info_with("east-1", "catchup", ready),  # west-2 says it cannot lead yet
-        info_with("east-1", "catchup", ready),  # hand off to west-2, the one heard from last
+        info_with("east-1", "catchup", ready),  # west-2 ready (the one heard from last) ...
+        info_with("east-1", "catchup", ready),  # ... and still, HANDOFF_STEADY_S later: hand off
         info_with("east-1", "catchup", ready),  # not asked again
         info_with("west-2", "membership", [("west-1", True, 0, 0.1), ("west-3", True, 0, 0.1)]),
     ]
@@ -235,7 +238,7 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
             return {"success": True}
         return script.pop(0)
 
-    healthy = iter([False, True])
+    healthy = iter([False, True, True])
 
     async def ready_to_lead(sysnc, server, account, stream, leader):
         assert (server, account, stream, leader) == ("west-2", "APP", "S", "east-1")
@@ -243,6 +246,7 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
 
     monkeypatch.setattr(move, "api", api)
     monkeypatch.setattr(move, "ready_to_lead", ready_to_lead)
+    monkeypatch.setattr(move, "HANDOFF_STEADY_S", 0.05)  # one poll
     journal = SimpleNamespace(
         state={
             "dest_servers": ["west-1", "west-2", "west-3"],

@@ -232,7 +232,13 @@ def _in(info: dict, names: set[str]) -> bool:
     )
 
 
-def handoff_candidate(info: dict, dest: set[str]) -> str | None:
+# A peer that has just caught up installs a snapshot a moment later, which pushes a transfer
+# campaign back to a whole election timeout (the stream leaderless for a second, seen on the
+# lab): the peer must have been ready this long before ferry hands over to it.
+HANDOFF_STEADY_S = 0.3
+
+
+def handoff_candidate(info: dict, dest: set[str], keep: str | None = None) -> str | None:
     """The destination server to hand the stream's leadership to now, else None.
 
     A server that reports its migration (nats-server 2.15+: ``cluster.desired.status``) moves the
@@ -258,6 +264,8 @@ def handoff_candidate(info: dict, dest: set[str]) -> str | None:
     current = [r for r in mine if r.get("current") and not r.get("lag") and not r.get("offline")]
     if len(current) < len(mine) // 2 + 1:
         return None
+    if keep in {r["name"] for r in current}:  # the peer being watched for steadiness
+        return keep
     return min(current, key=lambda r: r.get("active", 0))["name"]
 
 
@@ -811,6 +819,7 @@ async def _watch(
     last_emit = last_beat = 0.0
     cancelled_at: float | None = None
     handoff: dict[str, Any] | None = None
+    ready_since: tuple[str, float] | None = None  # (peer, when it was first found ready to lead)
     while True:
         now = time.monotonic()
         try:
@@ -840,8 +849,13 @@ async def _watch(
             if cancelled_at is not None and _in(info, origin):
                 outcome = "cancelled"
                 break
-            ready = handoff_candidate(info, dest) if fresh and cancelled_at is None and handoff is None else None
-            if ready and await ready_to_lead(sysnc, ready, st["account"], req.stream, new_leader):
+            keep = ready_since[0] if ready_since else None
+            ready = handoff_candidate(info, dest, keep) if fresh and cancelled_at is None and handoff is None else None
+            if not (ready and await ready_to_lead(sysnc, ready, st["account"], req.stream, new_leader)):
+                ready_since = None
+            elif not ready_since or ready_since[0] != ready:
+                ready_since = (ready, now)
+            elif now - ready_since[1] >= HANDOFF_STEADY_S:
                 handoff = {"at_s": round(now - t0, 3), "from": new_leader, "to": ready}
                 try:
                     await api(nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{req.stream}", {"placement": {"preferred": ready}})
