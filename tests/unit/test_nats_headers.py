@@ -96,3 +96,53 @@ def test_a_received_block_with_repeated_or_spaced_keys_is_published_as_parsed(
         return [row async for row in read_rows(rcfg, Range("S", 7, 7), lists(), relayed=False)]
 
     assert len(asyncio.run(relayed())) == (0 if "Ferry-Origin-Site" in parse_headers(block) else 1)
+
+
+def _frames() -> tuple[bytes, list[tuple[str, str, bytes, bytes | None]]]:
+    """What a server sends: messages with and without headers and reply subjects, a PING, one
+    larger than a read (256 kB), a status message; and the (subject, reply, data, raw) expected."""
+    want: list[tuple[str, str, bytes, bytes | None]] = []
+    out = [b"INFO {}\r\n"]
+    for i, size in enumerate([0, 1, 100, 300_000, 5, 1_000_000, 2]):
+        body = bytes([65 + i % 26]) * size
+        reply = f"$JS.ACK.S.C.1.{i}.{i}.17{i}.0" if i % 2 else ""
+        if i % 3 == 0:
+            out.append(b"MSG s.%d 1 %s%d\r\n%s\r\n" % (i, reply.encode() + b" " if reply else b"", size, body))
+            want.append((f"s.{i}", reply, body, None))
+        else:
+            raw = encode_headers({"Nats-Msg-Id": f"m{i}"})
+            head = b"HMSG s.%d 1 %s%d %d\r\n" % (i, reply.encode() + b" " if reply else b"", len(raw), len(raw) + size)
+            out.append(head + raw + body + b"\r\n")
+            want.append((f"s.{i}", reply, body, raw))
+        out.append(b"PING\r\nMSG other 2 3\r\nabc\r\n")  # sid 2: nobody's
+    status = b"NATS/1.0 404 No Messages\r\n\r\n"
+    out.append(b"HMSG _INBOX.x 1 %d %d\r\n%s\r\n" % (len(status), len(status), status))
+    want.append(("_INBOX.x", "", b"", status))
+    return b"".join(out), want
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 262_144, 10_000_000])
+def test_the_wire_parses_messages_however_the_bytes_arrive(chunk: int) -> None:
+    from ferry.pipeline._nats import Wire, _Sub
+    from ferry.topology import NatsCluster
+
+    data, want = _frames()
+    cluster = NatsCluster.model_validate({"kind": "nats", "brokers": [{"name": "n", "url": "nats://127.0.0.1:1"}]})
+
+    async def run() -> tuple[list[Msg], list[bytes]]:
+        w = Wire(cluster, "t", "t")
+        got: list[Msg] = []
+        sent: list[bytes] = []
+        w._write = sent.append  # type: ignore[method-assign]
+        w._subs[1] = _Sub(w, 1, ">", got.append)
+        reader = asyncio.StreamReader()
+        for i in range(0, len(data), chunk):
+            reader.feed_data(data[i : i + chunk])
+        reader.feed_eof()
+        await w._read_loop(reader)
+        return got, sent
+
+    got, sent = asyncio.run(run())
+    assert [(m.subject, m.reply, m.data, m.raw) for m in got] == want
+    assert got[-1].headers == {"Status": "404", "Description": "No Messages"}
+    assert sent == [b"PONG\r\n"] * (len(want) - 1)  # every PING answered

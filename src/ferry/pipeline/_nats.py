@@ -126,7 +126,7 @@ class Wire:
         self._pongs: deque[asyncio.Future[None]] = deque()
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
-        self._connected = asyncio.Event()
+        self._connected = False
         self._closed = False
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self.server_name = ""  # the server connected to (its INFO)
@@ -155,7 +155,7 @@ class Wire:
 
     @property
     def is_connected(self) -> bool:
-        return self._connected.is_set() and not self._closed
+        return self._connected and not self._closed
 
     def new_inbox(self) -> str:
         return f"{self._inbox}.{secrets.token_hex(6)}"
@@ -189,7 +189,7 @@ class Wire:
             )
         else:
             data = b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload)
-        if self.is_connected:
+        if self._connected and not self._closed:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
             raise BrokerUnavailable(f"{self.name}: not connected ({'closed' if self._closed else 'buffer full'})")
@@ -252,12 +252,12 @@ class Wire:
             self._out += self._held
             self._held.clear()
             self._held_size = 0
-            self._connected.set()
+            self._connected = True
             if not first.done():
                 first.set_result(None)
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
                 await self._read_loop(reader)
-            self._connected.clear()
+            self._connected = False
             self.server_name = ""
             self._out.clear()
             while self._pongs:
@@ -317,44 +317,54 @@ class Wire:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        if self._out and self._writer and self._connected.is_set():
+        if self._out and self._writer and self._connected:
             self._writer.write(b"".join(self._out))
         self._out.clear()
 
     # -- bytes in -------------------------------------------------------------------------
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
-        buf = bytearray()
+        """Parse what the server sends. The buffer is bytes, so a message's parts are single slices
+        (no bytearray slice copied again); a message larger than a read is gathered before parsing."""
+        buf, parts, need = b"", [], 0
+        subs = self._subs
         while True:
             data = await reader.read(262144)
             if not data:
                 return
-            buf += data
+            if need:  # the rest of a large message: join once it is all here
+                parts.append(data)
+                need -= len(data)
+                if need > 0:
+                    continue
+                buf, parts, need = b"".join(parts), [], 0
+            else:
+                buf = buf + data if buf else data
             pos, end = 0, len(buf)
             while True:
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
                     break
-                hmsg = buf.startswith(b"HMSG", pos)
-                if hmsg or buf.startswith(b"MSG ", pos):
-                    args = buf[pos:eol].split()
-                    total = int(args[-1])
-                    start, stop = eol + 2, eol + 2 + total
+                op = buf[pos]
+                if op == 77 or op == 72:  # MSG, HMSG (nothing else the server sends starts so)
+                    args = buf[pos:eol].split(b" ")
+                    start = eol + 2
+                    stop = start + int(args[-1])
                     if stop + 2 > end:
-                        break  # the payload has not all arrived
+                        need = stop + 2 - end  # the payload has not all arrived
+                        break
                     pos = stop + 2
-                    sub = self._subs.get(int(args[2]))
+                    sub = subs.get(int(args[2]))
                     if sub is None:
                         continue
-                    reply = args[3].decode() if len(args) == (6 if hmsg else 5) else ""
-                    if hmsg:
-                        hdr_len = int(args[-2])
-                        raw = bytes(buf[start : start + hdr_len])
-                        sub.cb(Msg(args[1].decode(), reply, bytes(buf[start + hdr_len : stop]), raw=raw))
+                    if op == 72:
+                        mid = start + int(args[-2])
+                        reply = args[3].decode() if len(args) == 6 else ""
+                        sub.cb(Msg(args[1].decode(), reply, buf[mid:stop], raw=buf[start:mid]))
                     else:
-                        sub.cb(Msg(args[1].decode(), reply, bytes(buf[start:stop]), None))
+                        sub.cb(Msg(args[1].decode(), args[3].decode() if len(args) == 5 else "", buf[start:stop]))
                     continue
-                line = bytes(buf[pos:eol])
+                line = buf[pos:eol]
                 pos = eol + 2
                 if line == b"PING":
                     self._write(b"PONG\r\n")
@@ -366,7 +376,9 @@ class Wire:
                     text = line[4:].strip().strip(b"'").decode().lower()
                     if not text.startswith("permissions violation"):
                         return  # the server closes the connection after any other error
-            del buf[:pos]
+            buf = buf[pos:]
+            if need:  # `need` more bytes finish the message at the head of buf
+                parts, buf = [buf], b""
 
 
 @contextlib.asynccontextmanager

@@ -757,7 +757,8 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], des
             pacer = Pacer(cfg.rate)
             async with pub:
                 async for row in rows:
-                    await pacer.wait()
+                    if pacer.interval:  # (no coroutine per message when there is no rate)
+                        await pacer.wait()
                     subject, payload, headers, msg_id = _message(cfg, row)
                     counts.rows += 1
                     counts.bytes += len(payload)
