@@ -593,42 +593,40 @@ def _is_connect(spark: Any) -> bool:
 
 
 def _watch(topology: Topology, plan: CopyPlan, progress: Callable[[int], None], stop: threading.Event) -> None:
-    observe = _observer(topology, plan)
-    if observe is None:
-        return
-    loop = asyncio.new_event_loop()
-    try:
-        base = loop.run_until_complete(observe())
-        while not stop.wait(0.5):
-            with contextlib.suppress(Exception):
-                progress(max(0, loop.run_until_complete(observe()) - base))
-    finally:
-        loop.close()
+    """Feed `progress` every half second with what the destination stream holds (or the source
+    queues no longer hold) beyond what it did at the start, on one connection kept open. A broker
+    that does not answer leaves the bar where it is; the copy goes on."""
+    with contextlib.suppress(Exception):
+        asyncio.run(_observe(topology, plan, progress, stop))
 
 
-def _observer(topology: Topology, plan: CopyPlan) -> Callable[[], Any] | None:
+async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int], None], stop: threading.Event) -> None:
     src, dst = plan.source, plan.destination
-    if dst.kind == "jetstream":
-        cluster = topology.nats(dst.cluster or "")
+    async with contextlib.AsyncExitStack() as stack:
+        if dst.kind == "jetstream":
+            cluster = topology.nats(dst.cluster or "")
+            nc = await stack.enter_async_context(bnats.session(cluster, name=dst.cluster or ""))
 
-        async def stored() -> int:
-            async with bnats.session(cluster, name=dst.cluster or "") as nc:
+            async def count() -> int:
                 return int((await nc.jsm().stream_info(dst.stream or "")).state.messages)
 
-        return stored
-    if src.kind == "rabbitmq":
-        cluster = topology.rabbitmq(src.cluster or "")
+        elif src.kind == "rabbitmq":
+            m = Management(topology.rabbitmq(src.cluster or ""), name=src.cluster or "")
+            await stack.enter_async_context(m)
 
-        async def moved() -> int:
-            async with Management(cluster, name=src.cluster or "") as m:
+            async def count() -> int:
                 left = 0
                 for x in plan.queues:
                     item = await m.get(f"/queues/{q(x['vhost'])}/{q(x['queue'])}?columns=messages_ready")
                     left += int(item.get("messages_ready", 0))
-            return -left
+                return -left
 
-        return moved
-    return None
+        else:
+            return
+        base = await count()
+        while not await asyncio.to_thread(stop.wait, 0.5):
+            with contextlib.suppress(Exception):
+                progress(max(0, await count() - base))
 
 
 # -- errors from executors ----------------------------------------------------------------------
