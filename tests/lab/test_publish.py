@@ -100,6 +100,21 @@ async def test_the_first_flow_ack_lets_a_new_batch_go_on_at_once(supercluster: l
     assert _ids(await read_stream(topo, "east", "FB6")) == list(range(200))
 
 
+async def test_messages_larger_than_a_read_are_stored_and_read_back_whole(supercluster: lab.LabState) -> None:
+    """Up to the servers' 1 MB limit, between small ones, byte for byte through the data plane's
+    connection both ways (it gathers a message larger than one 256 kB read before parsing it)."""
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "FB6", ["fb6.>"], placement="east", allow_batched=True)
+    sizes = [0, 300_000, 7, 1_000_000, 100, 600_000, 1, 262_144]
+    body = [bytes([65 + i]) * n for i, n in enumerate(sizes)]
+    async with asyncio.timeout(60):  # a parser that lost its place would wait for more bytes
+        pub = await _publish(topo, "FB6", len(sizes), payload=lambda i: body[i])
+        assert (pub.stats.stored, pub.stats.failed) == (len(sizes), 0)
+        rows = await read_stream(topo, "east", "FB6")
+    assert [r["payload"] for r in rows] == body
+    assert _ids(rows) == list(range(len(sizes)))
+
+
 async def test_a_stream_that_does_not_allow_batches_is_a_config_error(supercluster: lab.LabState) -> None:
     topo = profile_topology(supercluster)
     await make_stream(topo, "east", "FB4", ["fb4.>"], placement="east")
