@@ -189,7 +189,7 @@ class Wire:
             )
         else:
             data = b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload)
-        if self._connected and not self._closed:
+        if self.is_connected:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
             raise BrokerUnavailable(f"{self.name}: not connected ({'closed' if self._closed else 'buffer full'})")
