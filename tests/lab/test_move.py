@@ -17,7 +17,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from ferry import lab
 from ferry.brokers import nats as bnats
-from ferry.lab.procs import port_open
+from ferry.lab.procs import free_ports, port_open
 from ferry.ops import move as mv
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, ferry, judge, make_stream
@@ -179,6 +179,35 @@ def test_move_under_core_and_jetstream_load_loses_nothing(
     # and a busy machine slows both (a CI run sent 64,128 of 84,000), so only one load's worth is certain
     assert t["sent"] > RATE * 12 and t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
     assert t["tier_messages"] == last == t["sent"]
+
+
+def test_the_guard_hears_every_server_once_started(supercluster: lab.LabState, tmp_path: Path) -> None:
+    """Once `Guard.start` returns, a message published at any server of either cluster reaches
+    it; a server ferry cannot connect to is left out of the check."""
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "GUARDED", ["guarded.>"], placement="east"))
+    east = topo.nats("east")
+    urls = east.urls + topo.nats("west").urls
+    gone = east.brokers[0].model_copy(update={"name": "gone", "url": f"nats://127.0.0.1:{free_ports(1)[0]}"})
+    listed = east.model_copy(update={"brokers": [*east.brokers, gone]})
+
+    async def go() -> list[str]:
+        creds = east.credentials
+        assert creds is not None
+        producers = [await nats.connect(u, user=creds.user, password=creds.password()) for u in urls]
+        guard = mv.Guard(listed, ["guarded.>"], tmp_path / "capture-test.arrow")
+        try:
+            await guard.start(led_in="east")
+            for i, nc in enumerate(producers):
+                await nc.publish(f"guarded.{i}", b"x")
+                await nc.flush()
+        finally:
+            await guard.stop()
+            for nc in producers:
+                await nc.close()
+        return sorted(mv.read_captures(tmp_path)["subject"].to_pylist())
+
+    assert asyncio.run(go()) == sorted(f"guarded.{i}" for i in range(len(urls)))
 
 
 def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:

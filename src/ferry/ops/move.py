@@ -44,6 +44,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -436,17 +437,54 @@ class Guard:
         self._sink: Any = None
         self._flusher: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def start(self, led_in: str = "") -> None:
+        """Listen; return once every server of the cluster passes the subjects on to the guard.
+
+        `led_in` names the NATS cluster that leads the stream: when the guard's server is in it,
+        the other clusters' servers already send it the stream's subjects (the stream listens on
+        them there). Otherwise they learn the guard's interest through the gateways, which ferry
+        cannot ask: then it waits a further 0.3 s.
+        """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._sink = pa.OSFile(str(self.path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
         self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
         for s in self.subjects:
             await self._conn.subscribe(s, self._on_msg)
-        await self._conn.flush(timeout=5)
-        # interest reaches the other clusters through the gateways a moment later
-        await asyncio.sleep(0.3)
+        await self._reached()
+        if self._conn.server_cluster != led_in:
+            await asyncio.sleep(0.3)
         self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def _reached(self, timeout: float = 5.0) -> None:
+        """Wait until each server of the cluster routes the guard's subjects to it. A server passes a
+        connection's subscriptions on to the others in order, so a probe subject subscribed after
+        them is published from every server until the guard hears it from each. A server ferry
+        cannot connect to is left out (no producer reaches it either)."""
+        assert self._conn is not None
+        heard: set[str] = set()
+        probe = f"_FERRY.guard.{secrets.token_hex(8)}"
+        await self._conn.subscribe(probe, lambda m: heard.add(m.data.decode()))
+        await self._conn.flush(timeout=5)
+
+        async def reach(url: str) -> None:
+            try:
+                w = await Wire.open(self.cluster, urls=[url], client_name="ferry-guard-probe", timeout=2)
+            except BrokerUnavailable:
+                return
+            try:
+                async with asyncio.timeout(timeout):
+                    while url not in heard:
+                        w.publish_raw(probe.encode(), b"", b"", url.encode())
+                        await asyncio.sleep(0.01)
+            except TimeoutError:
+                raise BrokerUnavailable(
+                    f"the move's guard: {url} did not route the stream's subjects to it within {timeout:.0f}s"
+                ) from None
+            finally:
+                await w.close()
+
+        await asyncio.gather(*(reach(u) for u in self.cluster.urls))
 
     def _on_msg(self, m: WireMsg) -> None:
         r = self.rows
@@ -757,7 +795,7 @@ async def move(
             guard = Guard(
                 cluster, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
             )
-            await guard.start()
+            await guard.start(led_in=(info.get("cluster") or {}).get("name", ""))
             emit("guard", subjects=info["config"]["subjects"], file=str(guard.path))
         elif req.guard:
             emit(
@@ -900,12 +938,12 @@ async def reconcile(
 ) -> dict[str, Any]:
     """Compare what the guard heard with what the stream holds; re-publish what it lacks."""
     stop_ns = time.time_ns()
-    captured = read_captures(capture_dir)
-    heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
-    # what the stream holds now is read back while it settles, the rest after
+    # what the stream holds now is read back while the captures are read and it settles, the rest after
     held = max(st["seq0"], (await stream_info(nc, stream))["state"]["last_seq"])
     head = asyncio.ensure_future(stored_since(cluster, stream, st["seq0"], held))
     try:
+        captured = await asyncio.to_thread(read_captures, capture_dir)
+        heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
         await _settle(nc, stream, stop_ns, heard_last)
         last = (await stream_info(nc, stream))["state"]["last_seq"]
         stored = await head + await stored_since(cluster, stream, held, last)

@@ -129,7 +129,7 @@ class Wire:
         self._connected = False
         self._closed = False
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
-        self.server_name = ""  # the server connected to (its INFO)
+        self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
         # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
         # every message), else any: spread tasks over the servers, as nats-py does
         names = [b.name for b in cluster.brokers] if not urls else []
@@ -258,7 +258,7 @@ class Wire:
             with contextlib.suppress(OSError, asyncio.IncompleteReadError):
                 await self._read_loop(reader)
             self._connected = False
-            self.server_name = ""
+            self.server_name = self.server_cluster = ""
             self._out.clear()
             while self._pongs:
                 self._pongs.popleft().cancel()
@@ -293,6 +293,7 @@ class Wire:
                 line = await reader.readline()
                 if line.startswith(b"PONG"):
                     self.server_name = info.get("server_name", "")
+                    self.server_cluster = info.get("cluster", "")
                     return reader, writer
                 if line.startswith(b"-ERR"):
                     text = line[4:].strip().strip(b"'").decode()
