@@ -22,20 +22,22 @@ pytestmark = pytest.mark.spark
 T0 = 1_800_000_000 * 1_000_000_000  # ns
 
 
-def _ledger(producers: int, per: int, subjects: int, outcomes: list[str]) -> list[dict[str, Any]]:
+def _ledger(
+    producers: int, per: int, subjects: int, outcomes: list[str], run: str = "r", t0: int = T0
+) -> list[dict[str, Any]]:
     rows = []
     for p in range(producers):
         for s in range(1, per + 1):
             i = p * per + s - 1
-            msg_id = f"r-p{p}-{s}"
+            msg_id = f"{run}-p{p}-{s}"
             rows.append(
                 {
                     "id": msg_id,
-                    "run": "r",
+                    "run": run,
                     "producer": p,
                     "seq": s,
                     "subject": f"s.{(s + p) % subjects}",
-                    "sent_ns": T0 + (s * producers + p) * 50_000_000,
+                    "sent_ns": t0 + (s * producers + p) * 50_000_000,
                     "outcome": outcomes[i % len(outcomes)],
                     "ack_ns": None,
                     "stored_seq": None,
@@ -109,7 +111,7 @@ def _expected(ledger: list[dict[str, Any]], tier: list[dict[str, Any]]) -> dict[
         led = by_id.get(r["msg_id"])
         if not led:
             continue
-        key = (r["subject"], led["producer"])
+        key = (r["subject"], led["run"], led["producer"])
         if key in seen_max and led["seq"] < seen_max[key]:
             reordered.add(r["msg_id"])
         seen_max[key] = max(seen_max.get(key, 0), led["seq"])
@@ -162,6 +164,17 @@ def test_clean_tier_passes(spark: Any, tmp_path: Path) -> None:
     t = report["tiers"]["t"]
     assert t["lost"] == t["extra_copies"] == t["unexpected"] == t["reordered"] == t["corrupted"] == 0
     assert t["tier_messages"] == report["sent"]["sent"] == 90 and verdict(report) == []
+
+
+def test_producers_of_two_runs_are_not_one(spark: Any, tmp_path: Path) -> None:
+    """Two loads on the same subjects, one after the other: the second run's p0 starts again at 1,
+    which is no reorder of the first run's p0."""
+    first = _ledger(1, 30, 1, ["acked"], run="a")
+    ledger = first + _ledger(1, 30, 1, ["acked"], run="b", t0=first[-1]["sent_ns"] + 10**9)
+    tier = _tier(ledger, set(), {}, set(), swaps=[40], strangers=0)  # one true reorder, in run b
+    t = _run(spark, tmp_path, ledger, tier)["tiers"]["t"]
+    assert t["lost"] == t["unexpected"] == 0 and t["tier_messages"] == 60
+    assert t["reordered"] == _expected(ledger, tier)["reordered"] == 1
 
 
 def test_faults_beyond_the_listed_ones_are_still_counted(spark: Any, tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ queues are snapshotted first) and each message id of the ledger:
 
 The tier's message id is the ``Ferry-Id`` header, else the message id
 (``Nats-Msg-Id`` / AMQP ``message_id``); ids are ferry load's
-``<run>-p<producer>-<seq>``, which gives the producer and its sequence for the
-reorder check. Delays use the ``Ferry-Sent`` header (``x-ferry-sent``).
+``<run>-p<producer>-<seq>``, which gives the producer (``<run>-p<producer>``) and
+its sequence for the reorder check. Delays use the ``Ferry-Sent`` header (``x-ferry-sent``).
 """
 
 from __future__ import annotations
@@ -100,14 +100,17 @@ def audit(
         sent = F.coalesce(F.col("headers")["Ferry-Sent"], F.col("headers")["x-ferry-sent"]).try_cast("long")
         stored_us = F.unix_micros(F.when(F.col("properties").isNull(), F.col("timestamp")))
         producer_seq = F.regexp_extract(ident, r"-p(\d+-\d+)$", 1)  # "" for an id not ferry load's
+        seq = F.substring_index(producer_seq, "-", -1)
+        # the producer is "<run>-p<n>": each run's producers count from 1 again
+        producer = F.when(producer_seq != "", F.substring(ident, F.lit(1), F.length(ident) - F.length(seq) - 1))
         copies = frame.select(
             ident.alias("id"),
             "source",
             F.col("source_seq").alias("pos"),
             F.col("subject").alias("t_subject"),
             _hash64(F.substring(F.sha2(F.col("payload"), 256), 1, 16)).alias("t_hash"),
-            F.substring_index(producer_seq, "-", 1).alias("producer"),
-            F.substring_index(producer_seq, "-", -1).try_cast("long").alias("seq"),
+            producer.alias("producer"),
+            seq.try_cast("long").alias("seq"),
             ((stored_us * 1000 - sent) / 1e6).alias("delay_ms"),
         )
         earlier = Window.partitionBy("source", "t_subject", "producer").orderBy("pos")
