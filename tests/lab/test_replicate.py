@@ -159,6 +159,50 @@ def ferry_progress(topology: Path) -> dict[str, Any]:
     return next(iter((mine.get("progress") or {"": {"relayed": None}}).values()))
 
 
+def replication(topology: Path, source: str = "nyc", dest: str = "sfo") -> dict[str, Any]:
+    """`ferry replicate status --json`'s row of SOURCE -> DEST."""
+    status = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+    (row,) = [s for s in status if (s.get("source"), s.get("dest")) == (source, dest)]
+    return row
+
+
+def test_status_tells_a_started_replication_from_a_running_relay(topology: Path, tmp_path: Path) -> None:
+    """`start` only defines: no relay runs until `ferry replicate run`, and after `stop` none does."""
+    topo = load_topology(topology)
+    define(topology, "STAT")
+    row = replication(topology)
+    assert row["desired"] == "running" and row["leader"] is None, row  # the journal's fields stay
+    assert row.get("live") is False and row.get("relay") == "none", row
+    assert row.get("summary") == "started, no relay running" and row.get("intent") == "started", row
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    try:
+        relay.event("relaying")
+        producers = load(topology, "nyc", "stat.{n}", tmp_path / "ledger", 500, 10)
+
+        def relaying() -> dict[str, Any] | None:
+            r = replication(topology)
+            rates = [p.get("rate") for p in (r.get("progress") or {}).values()]
+            return r if r.get("live") and any(rates) else None
+
+        row = wait_for(relaying, 60, "status to show the relay relaying")
+        assert row["relay"] == "running" and row["leader"]["pid"] == relay.proc.pid, row
+        assert row["summary"].startswith(f"running (leader {row['leader']['host']}:{relay.proc.pid}, heartbeat "), row
+        assert 0 <= row["heartbeat_age_s"] < 5 and row["progress_age_s"] < 5, row
+        n = finished(producers)["acked"]
+        assert same_count(topo, "STAT") == n
+
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
+        assert relay.proc.wait(timeout=30) == 0
+        row = replication(topology)
+        assert row["desired"] == "stopped" and row["live"] is False and row["leader"] is None, row
+        assert row["relay"] == "none" and row["summary"] == "stopped" and row["intent"] == "stopped", row
+        stream = row["progress"]["STAT"]
+        assert stream["rate"] is None and stream["last_rate"] is not None, row  # no live rate, the last one labelled
+        assert row["progress_age_s"] is not None and row["heartbeat_age_s"] is None, row
+    finally:
+        relay.close()
+
+
 def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
     topology: Path, tmp_path: Path, spark: Any
 ) -> None:
@@ -261,6 +305,7 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         # a message nyc stored but could not ack before it died counts too
         assert cyc["rpo"] == cyc["recovered"] >= at_nyc - replicated > 0, cyc
         assert cyc["brought"] == at_sfo, cyc
+        assert "no relay running" in fb["replication"] and "(running)" not in fb["replication"], fb
 
         ledgers = [tmp_path / "ledger-nyc", tmp_path / "ledger-sfo"]
         got = judge(spark, topology, ledgers, "jetstream://nyc/CYC", tmp_path / "audit.html")

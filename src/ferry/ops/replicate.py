@@ -42,7 +42,7 @@ from typing import Any
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError
-from ferry.ops.journal import Journal
+from ferry.ops.journal import Journal, owner_alive
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
@@ -56,6 +56,7 @@ CONTROL = "ferry-relay"
 SCAN = 20_000  # relayed messages read back from the destination's end when resuming
 MAX_BATCH = 20_000  # messages per micro-batch (all streams)
 TRIGGER = "200 milliseconds"
+PROGRESS_STALE = 10.0  # seconds: older progress of a live relay shows no current rate in `status`
 
 
 def _quiet(*_: Any, **__: Any) -> None:
@@ -411,7 +412,16 @@ async def stop(topo: Topology, source: str, dest: str, wait: float = 30.0, force
 
 
 async def status(topo: Topology) -> list[dict[str, Any]]:
-    """Every replication defined at any reachable NATS site, with its progress."""
+    """Every replication defined at any reachable NATS site, with its progress.
+
+    A row keeps the journal's fields: ``desired`` is what the operator asked for ("running" once
+    started, "stopped"), ``state`` the last one a relay or command wrote, which may be a dead relay's.
+    What actually happens is added: ``live`` (a relay holds the lease with a fresh heartbeat; then
+    ``leader`` is it, else None), ``heartbeat_age_s`` (the live leader's), ``relay`` ("running",
+    "resuming", "stopping" or "none"), ``intent`` ("started" or "stopped") and ``summary`` (one line
+    for people, e.g. ``started, no relay running`` or ``running (leader h:1, heartbeat 0.4 s ago)``).
+    Per stream ``rate`` is the live relay's only; without one it is None and the last relay's is
+    ``last_rate``, measured ``progress_age_s`` seconds ago (a row field)."""
     out = []
     for site, name, cluster in topo.clusters():
         if not isinstance(cluster, NatsCluster) or name != site:
@@ -420,10 +430,46 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
             async with _journal(topo, site, "") as j:
                 for key in sorted(await j.keys(["relay.*.*"])):
                     state = await j.get(key) or {}
-                    out.append({**state, "leader": state.get("owner") if j.owner_alive(state) else None})
+                    out.append(_status_row(state, time.time()))
         except Exception as exc:  # one unreachable site must not hide the others
             out.append({"dest": site, "error": _first_line(exc)})
     return out
+
+
+def _status_row(state: dict[str, Any], now: float) -> dict[str, Any]:
+    """`state` (a journal record) with what is actually happening: see `status`."""
+    lease = state.get("lease")
+    live = owner_alive(state, max(1.0, float(lease) - 1.0) if lease else 10.0)  # as standbys see it
+    started = state.get("desired") == "running"
+    row: dict[str, Any] = {**state, "leader": state.get("owner") if live else None, "live": live}
+    row["intent"] = "started" if started else "stopped"
+    row["heartbeat_age_s"] = round(max(0.0, now - float(state.get("heartbeat") or 0)), 1) if live else None
+    recorded = state.get("state")
+    if not live:
+        row["relay"] = "none"
+        if started:
+            row["summary"] = "started, no relay running"
+            if recorded == "failed" and state.get("error"):
+                row["summary"] += f" (the last one failed: {state['error']})"
+            elif recorded in ("resuming", "relaying"):
+                row["summary"] += " (the last one died or was cut off)"
+        else:
+            row["summary"] = "stopped" if recorded in ("stopped", "defined", None) else f"stopped ({recorded})"
+    else:
+        row["relay"] = "stopping" if not started else "running" if recorded == "relaying" else "resuming"
+        o = state.get("owner") or {}
+        who = f"leader {o.get('host', '?')}:{o.get('pid', '?')}, heartbeat {row['heartbeat_age_s']} s ago"
+        row["summary"] = f"started, relay resuming ({who})" if row["relay"] == "resuming" else f"{row['relay']} ({who})"
+    at = state.get("progress_at") or (state.get("heartbeat") if live else None)
+    row["progress_age_s"] = round(max(0.0, now - float(at)), 1) if at and state.get("progress") else None
+    current = live and row["relay"] == "running" and (row["progress_age_s"] or 0) <= PROGRESS_STALE
+    if state.get("progress"):  # the last relay's; its rate is a current one only while it relays
+        row["progress"] = {s: dict(p or {}) for s, p in state["progress"].items()}
+        for p in row["progress"].values():
+            if "rate" in p:
+                p["last_rate"] = p["rate"]
+                p["rate"] = p["rate"] if current else None
+    return row
 
 
 # -- the relay ----------------------------------------------------------------------------------
@@ -520,7 +566,8 @@ class Relay:
                 leader = None
                 j.state = state
                 try:
-                    await j.save(state="resuming", takeovers=state.get("takeovers", 0) + (owner is not None))
+                    takeovers = state.get("takeovers", 0) + (owner is not None)
+                    await j.save(state="resuming", takeovers=takeovers, lease=self.lease)
                 except Exception:  # taken by another standby first, or the KV did not answer
                     await asyncio.sleep(0.5)
                     continue
@@ -559,6 +606,7 @@ class Relay:
             return "lost"
         self.emit("resume", source=how, after=after, created=created, batched=batched)
         j.state["progress"] = {s: {"relayed": n} for s, n in after.items()}
+        j.state["progress_at"] = time.time()
         await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
         checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
         query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched, leaders)
@@ -576,6 +624,7 @@ class Relay:
                     warm = True
                     self.emit("relaying")  # the first micro-batch is done: Spark's workers are up
                 j.state["progress"] = await tracker.update(offsets)
+                j.state["progress_at"] = time.time()  # saved with the next heartbeat
                 if self.metrics:
                     self.metrics.update(rep, j.state["progress"])
                 with contextlib.suppress(TimeoutError):
@@ -802,7 +851,10 @@ async def failback(
     for site in (to, primary):
         await _save_site(topo, site, new)
     again = await start(topo, forth, keep_marker=False)  # the reconciliation moved its position
-    report["replication"] = f"{forth.source} -> {forth.dest} defined again ({again.get('desired')}); run relays"
+    report["replication"] = (
+        f"{forth.source} -> {forth.dest} defined again ({_status_row(again, time.time())['summary']});"
+        f" run relays with: ferry replicate run --from {forth.source} --to {forth.dest}"
+    )
     return report
 
 
