@@ -46,8 +46,11 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     return got
 
 
-def ferry_killed_when(condition: Callable[[], bool], *args: str, topology: Path, timeout: float = 120) -> None:
-    """Start the CLI, SIGKILL its whole process group (driver, JVM, workers) once `condition()` holds."""
+def ferry_killed_when(
+    condition: Callable[[], bool], *args: str, topology: Path, timeout: float = 120, sig: int = signal.SIGKILL
+) -> tuple[int, str]:
+    """Start the CLI, signal its whole process group (driver, JVM, workers: as Ctrl-C does) once
+    `condition()` holds; its exit code and stderr."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     proc = subprocess.Popen(
         [*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
@@ -62,8 +65,9 @@ def ferry_killed_when(condition: Callable[[], bool], *args: str, topology: Path,
             time.sleep(0.2)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+            os.killpg(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr.decode()
 
 
 async def make_stream(

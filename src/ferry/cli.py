@@ -1366,7 +1366,7 @@ def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> 
             table.add_row(name, "[red]unreachable[/]", "", "", "", "", "", r["error"])
             continue
         leader = f"{r['leader']['host']}:{r['leader']['pid']}" if r.get("leader") else "-"
-        state = f"{r.get('state')} ({r.get('desired')})"
+        state = r.get("summary") or f"{r.get('state')} ({r.get('desired')})"
         progress = r.get("progress") or {"": {}}
         for stream, p in progress.items():
             cells = [p.get(k) for k in ("relayed", "lag", "lag_s", "rate")]
@@ -1471,7 +1471,7 @@ def serve_cmd(
 def lab_up(
     profile: Annotated[str, typer.Argument(help="supercluster | sites | rabbit-dr | rabbit-cluster")],
     dir: DirOpt = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180.0,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for health.")] = 180.0,
     haproxy: Annotated[
         bool, typer.Option("--haproxy", help="Put HAProxy (checked through `ferry serve`) in front of NATS clusters.")
     ] = False,
@@ -1547,6 +1547,10 @@ def main() -> None:
     # client libraries log connection failures themselves; ferry reports them once, as one line
     for name in ("aiormq", "aio_pika", "nats", "py4j", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # py4j reports a call cut short by Ctrl-C on the root logger, with a traceback each time: the
+    # root logger keeps quiet, and ferry's own loggers write their lines to stderr
+    logging.getLogger().addHandler(logging.NullHandler())
+    logging.getLogger("ferry").addHandler(logging.StreamHandler())
     try:
         code = app(standalone_mode=False)  # usage errors come here, to be reported on one line
     except NoArgsIsHelpError as exc:
@@ -1572,6 +1576,8 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    if code == 130:  # typer's answer to Ctrl-C
+        err.print("interrupted")
     sys.exit(code if isinstance(code, int) else 0)  # a typer.Exit's code, else success
 
 

@@ -99,6 +99,8 @@ class LoadOptions:
             raise UsageError("--producers and --subjects must be >= 1, --size >= 16")
         if self.rate is not None and self.rate <= 0:
             raise UsageError("--rate must be positive")
+        if self.duration is not None and self.duration <= 0:
+            raise UsageError("--duration must be positive")
         if "{n}" not in self.subject and self.subjects > 1:
             raise UsageError("--subject must contain {n} when --subjects > 1")
 

@@ -187,6 +187,13 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     assert all(u["before"] == u["after"] == 50 for u in report["upstream_queues"] if u["vhost"] in VHOSTS)
     assert dr["password"] not in result.stdout + result.stderr
     _assert_done(dr)
+    # progress starts as the move starts (a progress bar's clock starts there): the rate is the
+    # messages moved over the seconds of the move
+    progress = [json.loads(x) for x in result.stderr.splitlines() if x.startswith('{"event": "progress"')]
+    first, last = progress[0], progress[-1]
+    assert first["moved"] == 0 and last["moved"] == last["total"] == report["total"]["moved"]
+    expected = last["moved"] / (last["t"] - first["t"])
+    assert abs(last["rate"] - expected) < 0.2 * expected, (last, first)
 
     tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
     assert tier["lost"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE

@@ -333,17 +333,19 @@ def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source
 
     topo = profile_topology(supercluster)
     topology = supercluster.path / "topology.yaml"
-    ferry("copy", "jetstream://east/CSRC", f"parquet://{tmp_path}/a", topology=topology, check=True)
+    (tmp_path / "a").mkdir()  # an empty directory will do
+    out = ferry("copy", "jetstream://east/CSRC", f"parquet://{tmp_path}/a", "--json", topology=topology, check=True)
+    backup = json.loads(out.stdout)
+    payload = sum(len(_payload(i)) for i in range(N))
+    # the summary and the plan count payload bytes (the plan estimates them from the stream's size)
+    assert backup["read"] == backup["stored"] == N and backup["bytes"] == payload
+    assert abs(backup["plan"]["bytes"] - payload) < payload * 0.05, backup["plan"]
     asyncio.run(make_stream(topo, "west", "CRESTORED", ["restored.>"], placement="west"))
-    ferry(
-        "copy",
-        f"parquet://{tmp_path}/a",
-        "jetstream://west/CRESTORED",
-        "--subject-prefix",
-        "restored.",
-        topology=topology,
-        check=True,
-    )
+    args = ("copy", f"parquet://{tmp_path}/a", "jetstream://west/CRESTORED", "--subject-prefix", "restored.")
+    plan = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
+    assert (plan["messages"], plan["bytes"]) == (N, payload)  # a Parquet source's rows and payload bytes
+    restore = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert (restore["stored"], restore["bytes"]) == (N, payload)
     ferry("copy", "jetstream://west/CRESTORED", f"parquet://{tmp_path}/b", topology=topology, check=True)
     a = pq.read_table(tmp_path / "a").sort_by("source_seq").to_pylist()
     b = pq.read_table(tmp_path / "b").sort_by("source_seq").to_pylist()
@@ -356,6 +358,80 @@ def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source
         return r["subject"].removeprefix("restored."), r["payload"], headers
 
     assert [core(r) for r in a] == [core(r) for r in b]
+
+
+def test_an_interrupted_backup_leaves_nothing_and_runs_again(
+    supercluster: lab.LabState, source_stream: str, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while Spark writes the Parquet files: one line,
+    exit 130, the directory as it was (absent), and the same command then succeeds."""
+    topology = supercluster.path / "topology.yaml"
+    args = ("copy", "jetstream://east/CSRC", f"parquet://{tmp_path}/backup")
+    code, stderr = ferry_killed_when(
+        lambda: (tmp_path / ".backup.ferry-partial").exists(),
+        *args,
+        "--rate",
+        "4000",
+        topology=topology,
+        sig=signal.SIGINT,
+    )
+    assert code == 130 and stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "backup").exists()
+    assert json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)["stored"] == N
+
+
+def test_a_backup_to_parquet_reports_progress(
+    supercluster: lab.LabState, source_stream: str, tmp_path: Path, spark
+) -> None:
+    """The progress of a stream -> Parquet copy comes from the source's readers, and ends at the count."""
+    from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
+
+    topo = profile_topology(supercluster)
+    plan = plan_copy(topo, "jetstream://east/CSRC", f"parquet://{tmp_path}/p", CopyOptions(partitions=4))
+    seen: list[int] = []
+    report = run_copy(topo, plan, spark, progress=seen.append)
+    assert report.read == N and seen[-1] == N
+    assert seen == sorted(seen) and all(0 <= n <= N for n in seen)
+
+
+def test_progress_into_parquet_counts_what_the_source_readers_delivered(
+    supercluster: lab.LabState, source_stream: str, tmp_path: Path
+) -> None:
+    """A stream -> Parquet copy's live progress: the messages the readers' consumers delivered
+    (a reader of its own here, keeping its consumer while the watcher looks)."""
+    import threading
+
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from ferry.pipeline.copy import CopyOptions, _watch, plan_copy
+
+    topo = profile_topology(supercluster)
+    plan = plan_copy(topo, "jetstream://east/CSRC", f"parquet://{tmp_path}/p", CopyOptions())
+    seen = [-1]
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(topo, plan, seen.append, stop), daemon=True)
+    watcher.start()
+
+    async def read(n: int) -> None:
+        async with bnats.session(topo.nats("east"), name="east") as nc:
+            sub = await nc.jetstream().pull_subscribe(
+                "csrc.>", stream="CSRC", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+            )
+            got = 0
+            while got < n:
+                got += len(await sub.fetch(n - got, timeout=5))
+            for _ in range(50):  # at most 10 s
+                if seen[-1] == n:
+                    break
+                await asyncio.sleep(0.2)
+
+    try:
+        wait_for(lambda: seen[-1] == 0, 10, "the watcher to take stock of the consumers already there")
+        asyncio.run(read(1000))
+        assert seen[-1] == 1000
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
 
 
 QUEUES = [f"q{i}" for i in range(5)]

@@ -29,6 +29,20 @@ def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: st
     assert r.stderr.startswith("error: ") and not r.stdout
 
 
+@pytest.mark.parametrize(
+    ("option", "value"), [("--rate", "-5"), ("--duration", "-5"), ("--producers", "0"), ("--size", "8")]
+)
+def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, option: str, value: str) -> None:
+    topo = tmp_path / "t.yaml"
+    topo.write_text(VALID)
+    args = ["load", "nats://east", "--ledger", str(tmp_path / "ledger"), "--count", "5", option, value]
+    r = subprocess.run(
+        [sys.executable, "-m", "ferry.cli", *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and option in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "ledger").exists()
+
+
 def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
         monkeypatch.setenv(var, "secret-" + var)

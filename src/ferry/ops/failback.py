@@ -421,36 +421,48 @@ async def _transfer(
         ready = await _left(counts, journal["queues"])
         todo = [x for x in journal["queues"] if ready[f"{x['vhost']}/{x['queue']}"] > 0]
         emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
+        progress = _progress(emit, sum(ready.values()))
         if req.engine == "shovel":
-            result = await _shovels(topo, sm, counts, journal, todo, ready, req, emit)
+            result = await _shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
         else:
             await _delete_shovels(sm, journal)  # left by an interrupted shovel run
-            watch = asyncio.create_task(_watch(src_c, req.source, journal, emit))
+            watch = asyncio.create_task(_watch(src_c, req.source, journal, progress))
             try:
                 result = await asyncio.to_thread(_spark_move, topo, journal, todo, ready, req, spark) if todo else {}
             finally:
                 watch.cancel()
-        total = sum(x["before"] for x in journal["queues"])
-        emit("progress", moved=total - sum((await _left(counts, journal["queues"])).values()), total=total)
+        progress(sum((await _left(counts, journal["queues"])).values()))
         return result
     finally:
         await counts.close()
+
+
+def _progress(emit: Emit, total: int) -> Callable[..., None]:
+    """Emit progress now (nothing moved yet: a progress bar starts its clock here), and return
+    what emits it from the count left: moved and rate count this transfer's messages and seconds
+    only (a resumed failback's earlier runs are not in them)."""
+    t0 = time.monotonic()
+
+    def progress(left: int, **extra: Any) -> None:
+        moved, seconds = total - left, time.monotonic() - t0
+        emit("progress", moved=moved, total=total, rate=round(moved / seconds) if seconds else 0, **extra)
+
+    progress(total)
+    return progress
 
 
 async def _left(counts: QueueCounts, queues: list[dict[str, Any]]) -> dict[str, int]:
     return {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in queues}
 
 
-async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], emit: Emit) -> None:
+async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], progress: Callable[..., None]) -> None:
     """Progress while Spark moves: its own connections, so cancelling it leaves no reply in flight elsewhere."""
-    total = sum(x["before"] for x in journal["queues"])
     counts = QueueCounts(cluster, name)
     try:
         while True:
             await asyncio.sleep(0.5)
             with contextlib.suppress(FerryError):
-                left = sum((await _left(counts, journal["queues"])).values())
-                emit("progress", moved=total - left, total=total)
+                progress(sum((await _left(counts, journal["queues"])).values()))
     finally:
         await counts.close()
 
@@ -535,11 +547,11 @@ async def _shovels(
     ready: dict[str, int],
     req: FailbackRequest,
     emit: Emit,
+    progress: Callable[..., None],
 ) -> dict[str, Any]:
     """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty.
 
     `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress."""
-    total = sum(x["before"] for x in journal["queues"])
     present = {p["name"] for p in await _ferry_shovels(sm, journal)}
     active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
     pending = [x for x in todo if _shovel_name(journal, x) not in active]
@@ -597,7 +609,7 @@ async def _shovels(
         if now - last_emit >= 0.5:
             last_emit = now
             # only shovelled queues change (no upstream feeds them): the rest keep their last count
-            emit("progress", moved=total - sum(ready.values()), total=total, active=len(active), pending=len(pending))
+            progress(sum(ready.values()), active=len(active), pending=len(pending))
     return {"shovels_created": created, "possible_duplicates": requeued}
 
 

@@ -26,9 +26,11 @@ JetStream -> JetStream modes:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fnmatch
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from nats.js.api import AckPolicy
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
@@ -76,7 +79,7 @@ class CopyPlan:
     options: CopyOptions
     engine: str  # "stream" (rows through Spark) or "mover" (RabbitMQ queue tasks)
     messages: int = 0
-    bytes: int = 0
+    bytes: int = 0  # payload bytes, as in the report (estimated for a stream source)
     queues: list[dict[str, Any]] = field(default_factory=list)  # vhost, queue, ready, target
     resume_from: int | None = None  # ordered: first source seq still to copy
     anti_join: bool = False  # parallel: destination already holds part of this source
@@ -112,7 +115,7 @@ class CopyReport:
     duplicates: int = 0  # already at the destination (duplicate acks): not stored twice
     possible_duplicates: int = 0  # RabbitMQ: redelivered after an interrupted run
     retries: int = 0
-    bytes: int = 0
+    bytes: int = 0  # payload bytes
     seconds: float = 0.0
     queues: list[dict[str, Any]] = field(default_factory=list)
 
@@ -162,12 +165,16 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
     src, dst = plan.source, plan.destination
     if src.kind == "jetstream":
         cluster = topology.nats(src.cluster or "")
-        states = await js.stream_states(cluster, [src.stream or ""], src.subject, src.cluster or "")
-        st = states[src.stream or ""]
-        plan.messages = st["messages"]
-        plan.bytes = int(st["bytes"] * (st["messages"] / max(1, st["all_messages"])))
+        async with bnats.session(cluster, name=src.cluster or "") as nc:
+            states = await js.stream_states(cluster, [src.stream or ""], src.subject, src.cluster or "", nc)
+            st = states[src.stream or ""]
+            plan.messages = st["messages"]
+            plan.bytes = await _stream_payload(nc, src.stream or "", st)
+        plan.notes.append("bytes are payload bytes, estimated from the stream's stored size")
         if src.start_seq or src.end_seq:
             plan.notes.append("a sequence range was given: the message count is the whole stream's")
+    elif src.kind == "parquet":
+        plan.messages, plan.bytes = _parquet_size(src.path or "")
     elif src.kind == "rabbitmq":
         plan.queues = await _source_queues(topology, src)
         await live_counts(topology.rabbitmq(src.cluster or ""), plan.queues)
@@ -178,6 +185,33 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
     elif dst.kind == "rabbitmq":
         await _plan_queue_destination(topology, plan)
         await _check_access(topology, dst.cluster or "", {x["target_vhost"] for x in plan.queues} or {dst.vhost or "/"})
+
+
+async def _stream_payload(nc: Any, stream: str, st: dict[str, int]) -> int:
+    """The payload bytes of the stream's messages (those matching its filter), estimated from its
+    stored size: besides its payload a stored message takes its subject, its header block and 30
+    bytes (34 with headers; file storage), measured on the last message."""
+    if not st["all_messages"] or not st["messages"]:
+        return 0
+    overhead = 30
+    with contextlib.suppress(Exception):  # gone meanwhile (limits): count the fixed overhead only
+        last = await nc.jsm().get_msg(stream, st["last_seq"])
+        hdrs = base64.b64decode(last.hdrs) if last.hdrs else b""
+        overhead += len((last.subject or "").encode()) + (4 + len(hdrs) if hdrs else 0)
+    payload = max(0, st["bytes"] - st["all_messages"] * overhead)
+    return payload * st["messages"] // st["all_messages"]
+
+
+def _parquet_size(path: str) -> tuple[int, int]:
+    """Rows (from the files' metadata) and payload bytes (from the payload column alone)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    data = ds.dataset(path, format="parquet")  # skips _SUCCESS and hidden files, as Spark does
+    if "payload" not in data.schema.names:
+        return data.count_rows(), 0
+    payload = sum(pc.sum(pc.binary_length(b.column(0))).as_py() or 0 for b in data.to_batches(columns=["payload"]))
+    return data.count_rows(), payload
 
 
 async def _check_access(topology: Topology, cluster_name: str, vhosts: set[str]) -> None:
@@ -356,6 +390,8 @@ def run_copy(
         if watcher:
             watcher.join(timeout=5)
     report.seconds = time.monotonic() - t0
+    if progress:  # the watcher polls: its last count may be short of the end
+        progress(report.read)
     return report
 
 
@@ -432,15 +468,34 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
 
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
     if dst.kind == "parquet":
-        df.write.mode("error").parquet(dst.path)  # the plan already refused a non-empty directory
-        written = spark.read.parquet(dst.path).count()
-        report.read = report.stored = written
+        from pyspark.sql import functions as F
+
+        write_parquet(df, Path(dst.path or ""))  # the plan already refused a non-empty directory
+        written = spark.read.parquet(dst.path).agg(F.count("*"), F.sum(F.length("payload"))).first()
+        report.read = report.stored = int(written[0])
+        report.bytes = int(written[1] or 0)
         return
     if dst.kind == "jetstream" and opts.mode == "ordered":
         df = df.coalesce(1)
     tasks = df.rdd.getNumPartitions() if not _is_connect(spark) else (opts.partitions or 1)
     spec = _write_options(topology, dst, plan, max(1, tasks))
     _add_counts(report, df.mapInArrow(_writer_fn(spec), COUNTS_DDL).collect())
+
+
+def write_parquet(df: Any, out: Path) -> None:
+    """Write `df` as Parquet into `out`, a new or empty directory, all at once: Spark writes
+    beside it and the result is renamed into place, so a failed or interrupted write leaves
+    `out` as it was (a rerun starts clean)."""
+    out = out.absolute()
+    partial = out.with_name(f".{out.name}.ferry-partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a write interrupted before
+    try:
+        df.write.mode("error").parquet(str(partial))
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _add_counts(report: CopyReport, rows: list[Any]) -> None:
@@ -594,8 +649,9 @@ def _is_connect(spark: Any) -> bool:
 
 def _watch(topology: Topology, plan: CopyPlan, progress: Callable[[int], None], stop: threading.Event) -> None:
     """Feed `progress` every half second with what the destination stream holds (or the source
-    queues no longer hold) beyond what it did at the start, on one connection kept open. A broker
-    that does not answer leaves the bar where it is; the copy goes on."""
+    queues no longer hold) beyond what it did at the start, or else with what the source stream's
+    readers delivered, on one connection kept open. A broker that does not answer leaves the bar
+    where it is; the copy goes on."""
     with contextlib.suppress(Exception):
         asyncio.run(_observe(topology, plan, progress, stop))
 
@@ -621,12 +677,34 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
                     left += int(item.get("messages_ready", 0))
                 return -left
 
+        elif src.kind == "jetstream":  # into Parquet or RabbitMQ: count what the copy's readers got
+            cluster = topology.nats(src.cluster or "")
+            nc = await stack.enter_async_context(bnats.session(cluster, name=src.cluster or ""))
+            others = {c.name for c in await _consumers(nc, src.stream or "")}
+            delivered: dict[str, int] = {}  # reader consumer -> messages it delivered (kept once it is gone)
+
+            async def count() -> int:
+                for c in await _consumers(nc, src.stream or ""):
+                    if c.name not in others and c.config.ack_policy == AckPolicy.NONE:
+                        delivered[c.name] = c.delivered.consumer_seq or 0
+                return min(plan.messages, sum(delivered.values()))
+
         else:
             return
         base = await count()
         while not await asyncio.to_thread(stop.wait, 0.5):
             with contextlib.suppress(Exception):
                 progress(max(0, await count() - base))
+
+
+async def _consumers(nc: Any, stream: str) -> list[Any]:
+    """Every consumer of `stream` (the server lists 256 at a time)."""
+    found: list[Any] = []
+    while page := await nc.jsm().consumers_info(stream, offset=len(found)):
+        found += page
+        if len(page) < 256:
+            break
+    return found
 
 
 # -- errors from executors ----------------------------------------------------------------------

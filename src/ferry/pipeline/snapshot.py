@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from ferry.brokers.rabbitmq import Management, q
 from ferry.errors import ConfigError, UsageError
-from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
+from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy, write_parquet
 from ferry.pipeline.rabbitmq import snapshot_queue
 from ferry.pipeline.schema import SPARK_DDL
 from ferry.pipeline.uris import parse_uri
@@ -56,7 +56,7 @@ def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str
                 yield from iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
 
     df = spark.range(0, len(queues), 1, len(queues)).mapInArrow(read, SPARK_DDL)
-    df.write.mode("error").parquet(str(out.absolute()))
+    write_parquet(df, out)
     count = spark.read.parquet(str(out.absolute())).count()
     return {
         "source": source,
