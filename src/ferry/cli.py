@@ -252,7 +252,7 @@ def copy_cmd(
 
     topo = _topology(topology)
     opts = CopyOptions(
-        mode=mode, partitions=partitions, rate=rate, create=create and not dry_run, subject_prefix=subject_prefix
+        mode=mode, partitions=partitions, rate=rate, create=create, dry_run=dry_run, subject_prefix=subject_prefix
     )
     plan = plan_copy(topo, source, destination, opts)
     if dry_run:
@@ -272,7 +272,7 @@ def copy_cmd(
         return
     out.print(
         f"read {report.read:,}, stored {report.stored:,}, already present {report.duplicates:,}, "
-        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB in {report.seconds:.1f}s ({report.rate:,.0f} msg/s)"
+        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB of payload in {report.seconds:.1f}s ({report.rate:,.0f} msg/s)"
     )
     if report.queues:
         table = Table("vhost", "queue", "before", "moved", "left", "redelivered", "seconds")
@@ -297,7 +297,7 @@ def copy_cmd(
 def _print_plan(plan: dict[str, Any]) -> None:
     out.print(
         f"[bold]{plan['source']}[/] -> [bold]{plan['destination']}[/]: {plan['messages']:,} messages "
-        f"({plan['bytes'] / 1e6:.1f} MB), engine {plan['engine']}, mode {plan['mode']}"
+        f"({plan['bytes'] / 1e6:.1f} MB of payload), engine {plan['engine']}, mode {plan['mode']}"
     )
     for x in plan["queues"]:
         out.print(
@@ -1473,7 +1473,8 @@ def lab_up(
     dir: DirOpt = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for health.")] = 180.0,
     haproxy: Annotated[
-        bool, typer.Option("--haproxy", help="Put HAProxy (checked through `ferry serve`) in front of NATS clusters.")
+        bool,
+        typer.Option("--haproxy", help="Put HAProxy (checked through `ferry serve`) in front of the lab's clusters."),
     ] = False,
 ) -> None:
     """Start a profile's servers on 127.0.0.1 and wait until they are healthy."""
@@ -1504,6 +1505,38 @@ def lab_haproxy_config(
     c = _topology(topology).cluster(cluster)
     fronts = haproxy.frontends(cluster, c, nats_bind if c.kind == "nats" else amqp_bind, mqtt_bind or None)
     out.print(haproxy.render(fronts, serve, stats_bind="127.0.0.1:8404"), highlight=False, markup=False)
+
+
+@lab_app.command("failback-setting")
+def lab_failback_setting(
+    queues: Annotated[int, typer.Option(min=1, help="Federated queues fed-0 .. fed-N-1 (in vhost /).")] = 4,
+    messages: Annotated[int, typer.Option(min=0, help="Messages left on each of ltm's federated queues.")] = 500,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """On the rabbit-dr lab: upstream art federates queues to pc1 and ltm, and ltm's hold messages
+    nobody consumed (what `ferry failback --from ltm --to pc1` brings home). Idempotent."""
+    from ferry.lab.scenarios import dr_federation, fill_queue
+
+    topo = _topology(topology)
+    for name in ("art", "pc1", "ltm"):
+        topo.rabbitmq(name)  # a one-line error on another lab's topology
+    names = [f"fed-{i}" for i in range(queues)]
+
+    async def go() -> dict[str, Any]:
+        setting = await dr_federation(topo, ["/"], names, prefix="fed-")
+        for queue in names:
+            await fill_queue(topo, "ltm", "/", queue, messages)
+        return {**setting, "ltm_messages_per_queue": messages}
+
+    result = run(go())
+    if as_json:
+        print_json(result)
+        return
+    out.print(
+        f"art federates {', '.join(names)} (vhost /) to pc1 and ltm; ltm holds {messages:,} on each\n"
+        "next: ferry failback --from ltm --to pc1 --dry-run"
+    )
 
 
 @lab_app.command("status")

@@ -328,3 +328,28 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # killed before the transfer began
     nothing = ferry("failback", "--from", "ltm", "--to", "pc1", "--abort", "--json", topology=topology, check=True)
     assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"
+
+
+def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabState) -> None:
+    """`ferry lab failback-setting`, as the README gives it to a new user: the dry run lists its
+    queues, and the fail-back brings every message home."""
+    topology, topo = rabbit_dr.path / "topology.yaml", profile_topology(rabbit_dr)
+    try:
+        ferry("lab", "failback-setting", "--queues", "2", "--messages", "30", topology=topology, check=True)
+        args = ("failback", "--from", "ltm", "--to", "pc1", "--vhost", "/", "--json")
+        plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["plan"]
+        assert sorted((x["queue"], x["before"]) for x in plan["queues"]) == [("fed-0", 30), ("fed-1", 30)]
+        report = json.loads(ferry(*args, topology=topology, check=True).stdout)
+        assert report["total"]["moved"] == 60 and report["upstream_pulled"] == 0
+    finally:
+
+        async def drop() -> None:
+            for name in ("art", "pc1", "ltm"):
+                async with Management(topo.rabbitmq(name), name=name) as m:
+                    for queue in ("fed-0", "fed-1", "plain-0"):
+                        await m.delete(f"/queues/%2F/{queue}")
+                    if name != "art":
+                        await m.delete("/policies/%2F/federate-with-art")
+                        await m.delete("/parameters/federation-upstream/%2F/art")
+
+        asyncio.run(drop())

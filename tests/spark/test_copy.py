@@ -531,6 +531,11 @@ def test_create_with_subjects_taken_is_one_line_and_creates_nothing(
         return False
 
     assert not asyncio.run(exists())
+    # a dry run with --create says what it would create, and creates nothing
+    args = ("copy", "jetstream://east/CSRC", "jetstream://east/CTAKEN", "--subject-prefix", "t.", "--create")
+    plan = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
+    assert "would create stream CTAKEN in east" in plan["notes"]
+    assert not asyncio.run(exists())
 
 
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import time
 import uuid
@@ -445,7 +446,8 @@ class Guard:
         them there). Otherwise they learn the guard's interest through the gateways, which ferry
         cannot ask: then it waits a further 0.3 s.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # messages: for ferry's user only
+        self.path.touch(mode=0o600)
         self._sink = pa.OSFile(str(self.path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
         self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
@@ -833,6 +835,7 @@ async def move(
         result["peers"] = [p["name"] for p in peers(info)]
         result["took_s"] = round(time.time() - st["started"], 3)
         await journal.save(phase="done" if st["outcome"] == "moved" else "cancelled", result=result)
+        shutil.rmtree(capture_dir, ignore_errors=True)  # reconciled: the captures have served
         emit("done", **{k: v for k, v in result.items() if k != "verify"})
         return result
 

@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -731,6 +732,7 @@ async def _repartition(
             )
             purged += int(r.get("purged", 0))
     emit("purged", messages=purged)
+    shutil.rmtree(root, ignore_errors=True)  # every guard reconciled: the captures have served
     # 7. staging off, claims final
     await _converge(nc, pmap, p)
     await claim(kv, pmap, {"map": (seen or {}).get("map"), "pending": pmap.model_dump()})

@@ -68,6 +68,7 @@ class CopyOptions:
     partitions: int | None = None
     rate: float | None = None  # messages per second, all tasks together
     create: bool = False  # create a missing destination stream or queue
+    dry_run: bool = False  # plan only: say what would be created
     subject_prefix: str = ""
     window: int = 512
 
@@ -280,6 +281,9 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
                 raise
             if not opts.create:
                 raise NotFound(f"{dst}: stream {dst.stream!r} does not exist (pass --create to create it)") from None
+            if opts.dry_run:
+                plan.notes.append(f"would create stream {dst.stream} in {dst.cluster}")
+                return
             info = await _create_stream(topology, plan, jsm)
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
         _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
@@ -359,6 +363,9 @@ async def _plan_queue_destination(topology: Topology, plan: CopyPlan) -> None:
                         f"{dst}: queue {target!r} does not exist in vhost {vhost!r} "
                         "(pass --create to create it like the source)"
                     )
+                if plan.options.dry_run:
+                    plan.notes.append(f"would create queue {target} in {dst.cluster} vhost {vhost}")
+                    continue
                 await m.put(
                     f"/queues/{q(vhost)}/{q(target or '')}",
                     {"durable": item.get("durable", True), "arguments": item.get("arguments", {})},
