@@ -272,7 +272,8 @@ def copy_cmd(
         return
     out.print(
         f"read {report.read:,}, stored {report.stored:,}, already present {report.duplicates:,}, "
-        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB of payload in {report.seconds:.1f}s ({report.rate:,.0f} msg/s)"
+        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB of payload in {report.seconds:.1f}s "
+        f"({report.rate:,.0f} msg/s)"
     )
     if report.queues:
         table = Table("vhost", "queue", "before", "moved", "left", "redelivered", "seconds")
