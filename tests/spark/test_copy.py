@@ -346,6 +346,8 @@ def test_parquet_round_trip_is_byte_identical(supercluster: lab.LabState, source
     assert (plan["messages"], plan["bytes"]) == (N, payload)  # a Parquet source's rows and payload bytes
     restore = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert (restore["stored"], restore["bytes"]) == (N, payload)
+    again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)  # resumes after the last
+    assert again["stored"] == 0 and stream_count(topo, "west", "CRESTORED") == N
     ferry("copy", "jetstream://west/CRESTORED", f"parquet://{tmp_path}/b", topology=topology, check=True)
     a = pq.read_table(tmp_path / "a").sort_by("source_seq").to_pylist()
     b = pq.read_table(tmp_path / "b").sort_by("source_seq").to_pylist()

@@ -288,18 +288,30 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
         _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
         plan.leader = bnats.leader_of(info)
-        if plan.source.kind != "jetstream" or info.state.messages == 0:
+        if plan.source.kind == "rabbitmq" or info.state.messages == 0:
             return
-        source_name = f"{plan.source.cluster}/{plan.source.stream}"
-        if opts.mode == "ordered":
+        if plan.source.kind == "jetstream":
+            source_name = f"{plan.source.cluster}/{plan.source.stream}"
+        else:  # a backup of one stream is restored in its order: a rerun resumes the same way
+            source_name = _parquet_source(plan.source.path or "")
+        if opts.mode == "ordered" and source_name:
             last = await jsm.get_msg(dst.stream or "", info.state.last_seq)
             headers = last.headers or {}
             if headers.get(js.SOURCE_HDR) == source_name:
                 plan.resume_from = int(headers[js.SOURCE_SEQ_HDR]) + 1
                 plan.notes.append(f"resuming after source sequence {plan.resume_from - 1} (the destination's last)")
-        else:
+        elif plan.source.kind == "jetstream":
             plan.anti_join = True
             plan.notes.append("the destination is not empty: copying only what it does not hold yet")
+
+
+def _parquet_source(path: str) -> str | None:
+    """The one source (``cluster/stream``) of a Parquet backup's rows; None for several or none."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    sources = pc.unique(ds.dataset(path, format="parquet").to_table(columns=["source"])["source"]).drop_null()
+    return sources[0].as_py() if len(sources) == 1 else None
 
 
 def _use_batches(plan: CopyPlan, allowed: bool) -> None:
@@ -474,6 +486,8 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         from ferry.pipeline.schema import SPARK_DDL
 
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
+        if plan.resume_from:
+            df = df.filter(df.source_seq >= plan.resume_from)
     if dst.kind == "parquet":
         from pyspark.sql import functions as F
 
