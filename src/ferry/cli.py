@@ -214,7 +214,8 @@ def _print_stream(info: dict[str, Any], as_json: bool) -> None:
         return
     out.print(
         f"stream {info['name']} ({', '.join(info['subjects'] or [])}): R{info['replicas']} in "
-        f"{info['cluster']}, leader {info['leader']}, peers {', '.join(info['peers']) or '-'}; "
+        f"{info['cluster'] or 'a server of no cluster'}, leader {info['leader'] or '-'}, "
+        f"peers {', '.join(info['peers']) or '-'}; "
         f"{info['messages']:,} messages, seq {info['first_seq']}..{info['last_seq']}"
     )
 
@@ -469,8 +470,30 @@ def _print_event(event: str, **data: Any) -> None:
             f"in {data.get('took_s', 0):.2f}s"
         )
     else:
-        line = f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items() if k != "stream")
+        line = _event_line(event, {k: v for k, v in data.items() if k != "stream"})
     err.print(who + line, highlight=False)
+
+
+def _event_line(event: str, data: dict[str, Any]) -> str:
+    """An event for people: ``event: key=value ...``, nested keys dotted (``placement.cluster=west``),
+    lists comma-joined, None as ``-``; an event whose one value bears its name gives that value."""
+
+    def flat(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                yield from flat(f"{key}.{k}", v)
+        elif isinstance(value, list | tuple):
+            plain = all(not isinstance(v, dict | list | tuple) for v in value)
+            yield key, ",".join(map(str, value)) if plain else json.dumps(value, default=str)
+        else:
+            yield key, "-" if value is None or value == {} else value
+
+    pairs = [pair for k, v in data.items() for pair in flat(k, v)]
+    if not pairs:
+        return event
+    if len(pairs) == 1 and pairs[0][0] == event:
+        return f"{event}: {pairs[0][1]}"
+    return f"{event}: " + " ".join(f"{k}={v}" for k, v in pairs)
 
 
 def _peer(p: dict[str, Any]) -> str:
@@ -563,7 +586,7 @@ def failback_cmd(
                     bar.append(stack.enter_context(_progress(data["total"], f"failback ({engine})")))
                 bar[0](data["moved"])
             elif event in ("resume", "upstream-disabled", "upstream-restored"):
-                err.print(f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items()), highlight=False)
+                err.print(_event_line(event, data), highlight=False)
 
         report = run(failback(topo, req, emit, spark))
     if as_json:
@@ -795,7 +818,7 @@ def _print_partition_event(event: str, **data: Any) -> None:
             else ""
         )
     else:
-        line = f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items())
+        line = _event_line(event, data)
     err.print(line, highlight=False)
 
 
@@ -1046,7 +1069,7 @@ class _Ticker:
                 done = ", ".join(f"{v:,} {k}" for k, v in self.counts.items() if v)
                 err.print(f"  moved so far: {done}{left}", highlight=False)
         elif event != "plan":  # the plan is in the final report
-            err.print(f"{event}: " + " ".join(f"{k}={v}" for k, v in data.items()), highlight=False)
+            err.print(_event_line(event, data), highlight=False)
 
 
 @node_app.command("evacuate")
@@ -1261,8 +1284,8 @@ app.add_typer(replicate_app, name="replicate")
 app.add_typer(site_app, name="site")
 
 
-def _event_line(event: str, **data: Any) -> None:
-    err.print(f"{event}: " + json.dumps(data, default=str), highlight=False)
+def _print_event(event: str, **data: Any) -> None:
+    err.print(_event_line(event, data), highlight=False)
 
 
 FromOpt = Annotated[str, typer.Option("--from", help="Source site (a NATS cluster of the topology).")]
@@ -1323,7 +1346,7 @@ def replicate_run(
     def spark() -> Any:
         return get_session(master=spark_master, remote=spark_remote, app_name=f"ferry relay {source} to {to}")
 
-    emit = _json_events if as_json else _event_line
+    emit = _json_events if as_json else _print_event
     state = run(rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics).run())
     if as_json:
         print_json(state)
@@ -1345,7 +1368,8 @@ def replicate_stop(
         print_json(state)
         return
     marker = state.get("marker")
-    out.print(f"{source} -> {to} stopped" + (f"; positions {marker}" if marker else "; the next start will scan"))
+    positions = ", ".join(f"{k} {v:,}" for k, v in marker.items()) if isinstance(marker, dict) else marker
+    out.print(f"{source} -> {to} stopped" + (f"; positions: {positions}" if marker else "; the next start will scan"))
 
 
 @replicate_app.command("status")
@@ -1391,7 +1415,7 @@ def site_failover(
     """Stop FROM -> TO (fencing its relay), record the last sequence TO holds per stream, make TO primary."""
     from ferry.ops import replicate as rp
 
-    emit = _json_events if as_json else _event_line
+    emit = _json_events if as_json else _print_event
     result = run(rp.failover(_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait))
     if as_json:
         print_json(result)
@@ -1418,7 +1442,7 @@ def site_failback(
     def spark() -> Any:
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
 
-    emit = _json_events if as_json else _event_line
+    emit = _json_events if as_json else _print_event
     report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))
     if as_json:
         print_json(report)

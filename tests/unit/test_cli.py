@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from ferry.cli import app
+from ferry.cli import _event_line, app
 from tests.unit.test_topology import VALID
 
 
@@ -57,3 +57,18 @@ def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.Mon
     assert "http-check connect addr ferry port 9000" in cfg and "secret-" not in cfg
     result = CliRunner().invoke(app, ["lab", "haproxy-config", "ltm", "--topology", str(topo)])
     assert result.exit_code == 0 and "server ltm-1 127.0.0.1:5672" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("event", "data", "line"),
+    [
+        ("placement", {"placement": {"cluster": "west"}}, "placement: placement.cluster=west"),
+        ("guard", {"subjects": ["orders.>", "x.*"], "file": "/f"}, "guard: subjects=orders.>,x.* file=/f"),
+        ("state", {"state": "evicting_conns"}, "state: evicting_conns"),
+        ("relaying", {}, "relaying"),
+        ("active", {"previous": None}, "active: previous=-"),
+        ("peers", {"peers": [{"name": "a"}]}, 'peers: [{"name": "a"}]'),
+    ],
+)
+def test_events_read_as_text_not_python_values(event: str, data: dict, line: str) -> None:
+    assert _event_line(event, data) == line
