@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -35,6 +36,7 @@ from ferry.ops.nodes import CONTROL, open_nodes
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
+READ_FRESH = 2.0  # seconds: how recent the journal read behind an adoption must be
 
 __all__ = ["create_app"]
 
@@ -48,6 +50,7 @@ class Registry:
         self.states: dict[str, dict[str, dict[str, Any]]] = {}  # cluster -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
         self.stops: dict[str, asyncio.Event] = {}
+        self.read_at: dict[str, float] = {}  # cluster -> time.monotonic() of its last journal read
 
     async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
         """Mirror `name`'s journal keys twice a second, reconnecting forever. A poll, not a KV
@@ -70,19 +73,30 @@ class Registry:
         await journal.open()
         while True:
             self.states[name] = await rb.journaled(journal, name)
+            self.read_at[name] = time.monotonic()
             await asyncio.sleep(0.5)
 
     async def adopt(self) -> None:
         """Drive every journaled operation whose driver is gone."""
         while True:
-            for cname, states in list(self.states.items()):
-                for key, st in list(states.items()):
-                    task = self.drivers.get(key)
-                    if (task and not task.done()) or owner_alive(st, rb.STALE_AFTER):
-                        continue
-                    log.warning("adopting %s (state %s)", key, st.get("state"))
-                    self.start(key, self._resume(cname, st))
+            for cname, key, st in self.orphans():
+                log.warning("adopting %s (state %s)", key, st.get("state"))
+                self.start(key, self._resume(cname, st))
             await asyncio.sleep(1.0)
+
+    def orphans(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(cluster, key, state) of each operation to adopt: no driver of ours runs it, and its owner
+        looks dead in a journal read of the last READ_FRESH seconds. A cluster's last known states
+        age while its journal does not answer (the node being evacuated may be the one serve
+        reads through): its live owners' heartbeats would look stale."""
+        now = time.monotonic()
+        return [
+            (cname, key, st)
+            for cname, states in list(self.states.items())
+            if now - self.read_at.get(cname, float("-inf")) < READ_FRESH
+            for key, st in list(states.items())
+            if not ((task := self.drivers.get(key)) and not task.done()) and not owner_alive(st, rb.STALE_AFTER)
+        ]
 
     def _resume(self, cname: str, st: dict[str, Any]) -> Any:
         stop = asyncio.Event()
