@@ -1181,7 +1181,10 @@ def node_stop(
     if as_json:
         print_json(r)
         return
-    out.print(f"evacuation of {node} stopped (was {r.get('state')}); the node is back in service")
+    out.print(
+        f"evacuation of {node} stopped (was {r.get('state')}); the node is back in service "
+        "(`ferry serve` reads the journal twice a second: its availability check says so within 1 s)"
+    )
 
 
 @cluster_app.command("rebalance")
