@@ -36,7 +36,6 @@ _plain = {"rich_markup_mode": None}  # usage errors as plain "Error: ..." lines,
 app = typer.Typer(
     **_plain,
     name="ferry",
-    help="Move message workloads between NATS JetStream and RabbitMQ clusters without losing a message.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -50,6 +49,24 @@ app.add_typer(lab_app, name="lab")
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
+
+
+def _version(show: bool) -> None:
+    if show:
+        from ferry import __version__
+
+        out.print(f"ferry {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print ferry's version and exit.")
+    ] = False,
+) -> None:
+    """Move message workloads between NATS JetStream and RabbitMQ clusters without losing a message."""
+
 
 TopologyOpt = Annotated[
     Path | None,

@@ -72,3 +72,10 @@ def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.Mon
 )
 def test_events_read_as_text_not_python_values(event: str, data: dict, line: str) -> None:
     assert _event_line(event, data) == line
+
+
+def test_version() -> None:
+    from ferry import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"ferry {__version__}"
