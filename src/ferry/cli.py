@@ -217,12 +217,29 @@ def stream_info(
 
 
 @stream_app.command("rm")
-def stream_rm(name: Annotated[str, typer.Argument()], cluster: ClusterOpt, topology: TopologyOpt = None) -> None:
-    """Delete a stream and its messages."""
+def stream_rm(
+    name: Annotated[str, typer.Argument()],
+    cluster: ClusterOpt,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete a stream and its messages (asks first, unless --yes)."""
     from ferry.brokers import nats as bnats
+    from ferry.errors import UsageError
 
-    run(bnats.stream_delete(_topology(topology).nats(cluster), name, cluster))
-    out.print(f"stream {name} deleted")
+    nats_cluster = _topology(topology).nats(cluster)
+    info = run(bnats.stream_info(nats_cluster, name, cluster))
+    if not yes:
+        what = f"stream {name} and its {info['messages']:,} messages"
+        if not sys.stdin.isatty():
+            raise UsageError(f"pass --yes to delete {what}")
+        typer.confirm(f"delete {what}?", abort=True)
+    run(bnats.stream_delete(nats_cluster, name, cluster))
+    if as_json:
+        print_json({"deleted": name, "messages": info["messages"]})
+        return
+    out.print(f"stream {name} deleted ({info['messages']:,} messages)")
 
 
 def _print_stream(info: dict[str, Any], as_json: bool) -> None:

@@ -427,6 +427,17 @@ def test_cli_rejects_bad_input(supercluster: lab.LabState) -> None:
     assert r.returncode == 1 and "not found" in r.stderr
 
 
+def test_stream_rm_asks_first(supercluster: lab.LabState) -> None:
+    topology = topology_of(supercluster)
+    asyncio.run(make_stream(profile_topology(supercluster), "east", "DOOMED", ["doomed.>"], placement="east"))
+    r = ferry("stream", "rm", "DOOMED", "--cluster", "east", topology=topology)  # no terminal to ask on
+    assert r.returncode == 2 and r.stderr.strip() == "error: pass --yes to delete stream DOOMED and its 0 messages"
+    assert where(topology, "DOOMED")[0] == "east"
+    r = ferry("stream", "rm", "DOOMED", "--cluster", "east", "--yes", "--json", topology=topology, check=True)
+    assert json.loads(r.stdout) == {"deleted": "DOOMED", "messages": 0}
+    assert ferry("stream", "info", "DOOMED", "--cluster", "east", topology=topology).returncode == 1
+
+
 def test_streams_glob_moves_each_match_with_concurrency(supercluster: lab.LabState) -> None:
     topology = topology_of(supercluster)
     topo = profile_topology(supercluster)
