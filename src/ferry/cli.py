@@ -345,6 +345,16 @@ def _print_plan(plan: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
+def _busy(what: str, enabled: bool = True) -> Iterator[None]:
+    """A spinner with the time so far, on stderr, for work that cannot count its progress."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=err, transient=True) as bar:
+        bar.add_task(what, visible=enabled)
+        yield
+
+
+@contextlib.contextmanager
 def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
     """A rich progress bar (messages, rate, ETA) fed with absolute counts."""
     from rich.progress import (
@@ -955,7 +965,8 @@ def snapshot_cmd(
 
     topo = _topology(topology)
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot")
-    result = snapshot(topo, spark, source, out_dir)
+    with _busy(f"snapshot of {source} (a Spark job)", not as_json):
+        result = snapshot(topo, spark, source, out_dir)
     if as_json:
         print_json(result)
         return
@@ -993,12 +1004,13 @@ def audit_cmd(
     topo = _topology(topology) if needs_topology else None
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False)
     ledgers = [str(p) for p in ledger]
-    report = audit(
-        spark,
-        ledgers[0] if len(ledgers) == 1 else ledgers,
-        {n: tier_frame(spark, topo, v) for n, v in tiers.items()},
-        bucket_s=bucket,
-    )
+    with _busy(f"auditing {len(tiers)} tier(s) against {len(ledgers)} ledger(s) (a Spark job)", not as_json):
+        report = audit(
+            spark,
+            ledgers[0] if len(ledgers) == 1 else ledgers,
+            {n: tier_frame(spark, topo, v) for n, v in tiers.items()},
+            bucket_s=bucket,
+        )
     failures = verdict(report, max_lost, max_dup)
     html.write_text(render_html(report, failures))
     report["html"] = str(html.absolute())
