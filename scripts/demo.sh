@@ -39,7 +39,7 @@ print(f"\nmoved ORDERS {move['from']} -> {move['cluster']} under load: sent {wes
       f"(the stream missed {move['missed']}: ferry re-published {move['reinjected']}, producer retries "
       f"had stored {move['already_stored']})")
 delay = west.get("delay") or {}
-print(f"reordered {west['reordered']:,} (per subject and producer, across the leader change), "
+print(f"reordered {west['reordered']:,} (per subject and producer: re-published and retried messages land after later ones), "
       f"delay p99 {delay.get('p99_ms', 0):.1f} ms, max {delay.get('max_ms', 0):.1f} ms")
 sys.exit(0 if audit["pass"] and west["lost"] == 0 and west["extra_copies"] == 0 else 1)
 PY
