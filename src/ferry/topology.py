@@ -335,7 +335,9 @@ def parse_topology(text: str, filename: str = "<topology>") -> Topology:
         problems = []
         for err in exc.errors():
             loc, msg = tuple(err["loc"]), err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
+            if err["type"] == "extra_forbidden" and loc[-1] in ("password", "pass"):
+                msg = "a password never goes in the topology file: give password_env or password_file"
+            elif err["type"] == "extra_forbidden":
                 msg = "unknown key"
             elif err["type"] == "missing":
                 msg = "required key is missing"

@@ -87,6 +87,11 @@ def _error(text: str) -> str:
         ),
         ("{user: ferry, password_env: FERRY_T_LTM}", "{user: ferry, password_env: X, password_file: /y}", "not both"),
         (
+            "{user: ferry, password_env: FERRY_T_LTM}",
+            "{user: ferry, password: hunter2}",
+            "password: a password never goes in the topology file: give password_env or password_file",
+        ),
+        (
             "        management_url: http://127.0.0.1:15672\n",
             "",
             "t.yaml:19: sites.dr.clusters.ltm.brokers[0].management_url: required key is missing",
