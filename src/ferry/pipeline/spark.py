@@ -103,7 +103,11 @@ def _keep_archive(tmp: Path, archive: Path) -> None:
 
     proc = getattr(SparkContext._gateway, "proc", None)
     if proc is not None and proc.poll() is None:
-        print("ferry: saving Spark's classes for faster starts (once)", file=sys.stderr, flush=True)
+        print(
+            "ferry: saving Spark's classes for faster starts (once per JVM setting: light and full)",
+            file=sys.stderr,
+            flush=True,
+        )
         with contextlib.suppress(Exception):
             if SparkContext._active_spark_context is not None:
                 SparkContext._active_spark_context.stop()  # its accumulator server first
