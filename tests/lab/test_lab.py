@@ -123,6 +123,9 @@ def test_up_twice_is_harmless_and_status_reports(supercluster: lab.LabState, lab
     assert {r["server"] for r in nats} == {f"{c}-{i}" for c in ("east", "west") for i in (1, 2, 3)}
     assert all(r["running"] and r["health"] == "ok" and r["ports"]["client"] > 0 for r in nats)
     assert {r["server"]: r["health"] for r in rows if r["kind"] != "nats"} == {"ferry-serve": "ok", "haproxy": "ok"}
+    ports = {r["server"]: r["ports"] for r in rows if r["kind"] != "nats"}
+    assert ports["ferry-serve"]["http"] == int(supercluster.lb["serve"].rsplit(":", 1)[1])
+    assert set(ports["haproxy"]) == {"east_nats", "east_mqtt", "west_nats", "west_mqtt", "stats"}
 
 
 def test_restarts_a_dead_server(sites: lab.LabState, lab_dir: Path) -> None:

@@ -347,7 +347,15 @@ def _ports(state: LabState, name: str) -> dict[str, int]:
         if s["name"] == name:
             return {k: v for k, v in s.items() if isinstance(v, int) and k != "index"}
     proc = state.proc(name)
-    return {"port": int(proc.argv[2])} if proc.kind == "epmd" else {}
+    if proc.kind == "epmd":
+        return {"port": int(proc.argv[2])}
+    lb = state.lb or {}
+    if name == "ferry-serve" and lb:
+        return {"http": urlsplit(lb["serve"]).port or 0}
+    if name == "haproxy" and lb:
+        fronts = {f"{c}_{k}": urlsplit(u).port or 0 for c, urls in lb["clusters"].items() for k, u in urls.items()}
+        return {**fronts, "stats": urlsplit(lb["stats"]).port or 0}
+    return {}
 
 
 def _write_combined_topology(root: Path) -> None:
