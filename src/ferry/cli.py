@@ -815,6 +815,7 @@ def partition_apply(
         print_json(result)
     elif dry_run:
         _print_partition_plan(result)
+        out.print("dry run: nothing changed")
     if result["refusals"]:
         raise typer.Exit(1)
 
