@@ -188,7 +188,7 @@ ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="A NATS cluster
 def stream_add(
     name: Annotated[str, typer.Argument()],
     cluster: ClusterOpt,
-    subjects: Annotated[list[str], typer.Option("--subject", "-s", help="Subject (repeat).")],
+    subjects: Annotated[list[str], typer.Option("--subject", "-s", metavar="SUBJECT", help="Subject (repeat).")],
     replicas: Annotated[int, typer.Option(min=1, max=5)] = 3,
     placement: Annotated[str | None, typer.Option(help="Cluster to place it in (default: --cluster).")] = None,
     topology: TopologyOpt = None,
@@ -978,8 +978,13 @@ def snapshot_cmd(
 
 @app.command("audit")
 def audit_cmd(
-    ledger: Annotated[list[Path], typer.Option(help="A ledger directory written by `ferry load` (repeat).")],
-    tier: Annotated[list[str], typer.Option(help="NAME=SNAPSHOT_DIR or NAME=jetstream://CLUSTER/STREAM (repeat).")],
+    ledger: Annotated[
+        list[Path], typer.Option(metavar="DIR", help="A ledger directory written by `ferry load` (repeat).")
+    ],
+    tier: Annotated[
+        list[str],
+        typer.Option(metavar="NAME=WHERE", help="NAME=SNAPSHOT_DIR or NAME=jetstream://CLUSTER/STREAM (repeat)."),
+    ],
     bucket: Annotated[int, typer.Option(min=1, help="Seconds per time bucket.")] = 10,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("ferry-audit.html"),
     max_lost: Annotated[int, typer.Option(min=0, help="Exit non-zero when more are lost.")] = 0,
