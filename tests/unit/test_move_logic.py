@@ -222,7 +222,11 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
         info_with("east-1", "catchup", lagging),  # two of three destination peers behind
         info_with("east-1", "catchup", ready),  # west-2 says it cannot lead yet
         info_with("east-1", "catchup", ready),  # west-2 ready (the one heard from last) ...
-        info_with("east-1", "catchup", ready),  # ... and still, HANDOFF_STEADY_S later: hand off
+        info_with("east-1", "catchup", ready),  # ... and still, HANDOFF_STEADY_S later,
+        info_with("east-1", "catchup", lagging),  # but the last look finds it alone current:
+        info_with("east-1", "catchup", ready),  # ready again,
+        info_with("east-1", "catchup", ready),  # steady again HANDOFF_STEADY_S later,
+        info_with("east-1", "catchup", ready),  # and in the last look: hand off
         info_with("east-1", "catchup", ready),  # not asked again
         info_with("west-2", "membership", [("west-1", True, 0, 0.1), ("west-3", True, 0, 0.1)]),
     ]
@@ -238,7 +242,7 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
             return {"success": True}
         return script.pop(0)
 
-    healthy = iter([False, True, True])
+    healthy = iter([False, True, True, True, True])
 
     async def ready_to_lead(sysnc, server, account, stream, leader):
         assert (server, account, stream, leader) == ("west-2", "APP", "S", "east-1")
