@@ -1339,7 +1339,7 @@ app.add_typer(replicate_app, name="replicate")
 app.add_typer(site_app, name="site")
 
 
-def _print_event(event: str, **data: Any) -> None:
+def _print_plain_event(event: str, **data: Any) -> None:
     err.print(_event_line(event, data), highlight=False)
 
 
@@ -1401,7 +1401,7 @@ def replicate_run(
     def spark() -> Any:
         return get_session(master=spark_master, remote=spark_remote, app_name=f"ferry relay {source} to {to}")
 
-    emit = _json_events if as_json else _print_event
+    emit = _json_events if as_json else _print_plain_event
     state = run(rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics).run())
     if as_json:
         print_json(state)
@@ -1470,7 +1470,7 @@ def site_failover(
     """Stop FROM -> TO (fencing its relay), record the last sequence TO holds per stream, make TO primary."""
     from ferry.ops import replicate as rp
 
-    emit = _json_events if as_json else _print_event
+    emit = _json_events if as_json else _print_plain_event
     result = run(rp.failover(_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait))
     if as_json:
         print_json(result)
@@ -1497,7 +1497,7 @@ def site_failback(
     def spark() -> Any:
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
 
-    emit = _json_events if as_json else _print_event
+    emit = _json_events if as_json else _print_plain_event
     report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))
     if as_json:
         print_json(report)

@@ -79,3 +79,21 @@ def test_version() -> None:
 
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"ferry {__version__}"
+
+
+def test_no_module_defines_a_function_twice() -> None:
+    """A second top-level definition silently replaces the first for every caller (ruff's F811
+    misses it once the first is used): the move's event printer was replaced that way once."""
+    import ast
+    from collections import Counter
+    from pathlib import Path
+
+    import ferry
+
+    twice = {}
+    for path in Path(ferry.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = Counter(n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+        if dups := [n for n, k in names.items() if k > 1]:
+            twice[path.name] = dups
+    assert twice == {}
