@@ -195,12 +195,16 @@ def test_the_guard_hears_every_server_once_started(supercluster: lab.LabState, t
         creds = east.credentials
         assert creds is not None
         producers = [await nats.connect(u, user=creds.user, password=creds.password()) for u in urls]
-        guard = mv.Guard(listed, ["guarded.>"], tmp_path / "capture-test.arrow")
+        guard = mv.Guard(listed, ["guarded.>"], tmp_path / "capture-test.arrow", flush_every=60)  # rows kept
         try:
             await guard.start(led_in="east")
             for i, nc in enumerate(producers):
                 await nc.publish(f"guarded.{i}", b"x")
                 await nc.flush()
+            # a message still crossing the gateway when the guard stops would look unheard
+            async with asyncio.timeout(5):
+                while len(guard.rows["subject"]) < len(urls):
+                    await asyncio.sleep(0.01)
         finally:
             await guard.stop()
             for nc in producers:

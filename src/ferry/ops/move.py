@@ -44,7 +44,6 @@ import fnmatch
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import time
@@ -301,12 +300,11 @@ async def _still_ready(nc: Client, stream: str, dest: set[str], peer: str, withi
     candidate. A peer that has fallen behind by the time the leader steps down to it cannot win
     the election it is asked to start, and the stream stays leaderless until an election timeout
     (4-9 s; seen once in about 20 moves at 12,000 msg/s when the view was a second old)."""
-    t = time.monotonic()
     try:
         info = await stream_info(nc, stream, timeout=within)
     except (BrokerUnavailable, NatsTimeout, TimeoutError, FerryError):
         return False
-    return time.monotonic() - t < within and handoff_candidate(info, dest, peer) == peer
+    return handoff_candidate(info, dest, peer) == peer
 
 
 async def paged(
@@ -457,49 +455,53 @@ class Guard:
         `led_in` names the NATS cluster that leads the stream: when the guard's server is in it,
         the other clusters' servers already send it the stream's subjects (the stream listens on
         them there). Otherwise they learn the guard's interest through the gateways, which ferry
-        cannot ask: then it waits a further 0.3 s.
+        cannot ask: then it waits a further 0.3 s, as it does when its probe goes unheard.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # messages: for ferry's user only
         self.path.touch(mode=0o600)
         self._sink = pa.OSFile(str(self.path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
-        self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
-        for s in self.subjects:
-            await self._conn.subscribe(s, self._on_msg)
-        await self._reached()
-        if self._conn.server_cluster != led_in:
-            await asyncio.sleep(0.3)
+        try:
+            self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
+            for s in self.subjects:
+                await self._conn.subscribe(s, self._on_msg)
+            if not await self._reached() or self._conn.server_cluster != led_in:
+                await asyncio.sleep(0.3)
+        except BaseException:
+            await self.stop()
+            raise
         self._flusher = asyncio.create_task(self._flush_loop())
 
-    async def _reached(self, timeout: float = 5.0) -> None:
-        """Wait until each server of the cluster routes the guard's subjects to it. A server passes a
+    async def _reached(self, timeout: float = 2.0) -> bool:
+        """Whether each server of the cluster routes the guard's subjects to it. A server passes a
         connection's subscriptions on to the others in order, so a probe subject subscribed after
-        them is published from every server until the guard hears it from each. A server ferry
-        cannot connect to is left out (no producer reaches it either)."""
+        them (in the guard's inbox, which a user may subscribe to) is published from every server
+        until the guard hears it from each, for `timeout` seconds at most (a user may be denied
+        publishing there). A server ferry cannot connect to is left out (no producer reaches it
+        either)."""
         assert self._conn is not None
         heard: set[str] = set()
-        probe = f"_FERRY.guard.{secrets.token_hex(8)}"
+        probe = self._conn.new_inbox()
         await self._conn.subscribe(probe, lambda m: heard.add(m.data.decode()))
         await self._conn.flush(timeout=5)
 
-        async def reach(url: str) -> None:
+        async def reach(url: str) -> bool:
             try:
                 w = await Wire.open(self.cluster, urls=[url], client_name="ferry-guard-probe", timeout=2)
             except BrokerUnavailable:
-                return
+                return True
             try:
                 async with asyncio.timeout(timeout):
                     while url not in heard:
                         w.publish_raw(probe.encode(), b"", b"", url.encode())
                         await asyncio.sleep(0.01)
-            except TimeoutError:
-                raise BrokerUnavailable(
-                    f"the move's guard: {url} did not route the stream's subjects to it within {timeout:.0f}s"
-                ) from None
+                return True
+            except (TimeoutError, FerryError):
+                return False
             finally:
                 await w.close()
 
-        await asyncio.gather(*(reach(u) for u in self.cluster.urls))
+        return all(await asyncio.gather(*(reach(u) for u in self.cluster.urls)))
 
     def _on_msg(self, m: WireMsg) -> None:
         r = self.rows
