@@ -293,7 +293,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
         if plan.source.kind == "jetstream":
             source_name = f"{plan.source.cluster}/{plan.source.stream}"
         else:  # a backup of one stream is restored in its order: a rerun resumes the same way
-            source_name = _parquet_source(plan.source.path or "")
+            source_name = _parquet_source(plan.source.path or "") if opts.mode == "ordered" else None
         if opts.mode == "ordered" and source_name:
             last = await jsm.get_msg(dst.stream or "", info.state.last_seq)
             headers = last.headers or {}
@@ -306,12 +306,25 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
 
 
 def _parquet_source(path: str) -> str | None:
-    """The one source (``cluster/stream``) of a Parquet backup's rows; None for several or none."""
-    import pyarrow.compute as pc
+    """The one source (``cluster/stream``) of a Parquet backup's rows, from its files' column
+    statistics (nothing is read); None for several, none, or files without them."""
     import pyarrow.dataset as ds
 
-    sources = pc.unique(ds.dataset(path, format="parquet").to_table(columns=["source"])["source"]).drop_null()
-    return sources[0].as_py() if len(sources) == 1 else None
+    found: set[str] = set()
+    for fragment in ds.dataset(path, format="parquet").get_fragments():
+        meta = fragment.metadata
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            column = next(
+                (group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema == "source"), None
+            )
+            stats = column.statistics if column else None
+            if not stats or not stats.has_min_max or stats.null_count:
+                return None
+            found |= {stats.min, stats.max}
+            if len(found) > 1:
+                return None
+    return found.pop() if found else None
 
 
 def _use_batches(plan: CopyPlan, allowed: bool) -> None:
@@ -486,6 +499,8 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         from ferry.pipeline.schema import SPARK_DDL
 
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
+        if dst.kind == "jetstream" and opts.mode == "ordered":  # Spark reads a backup's files largest first
+            df = df.orderBy("source", "source_seq")
         if plan.resume_from:
             df = df.filter(df.source_seq >= plan.resume_from)
     if dst.kind == "parquet":
