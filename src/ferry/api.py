@@ -72,8 +72,9 @@ class Registry:
     async def _poll(self, name: str, journal: Journal | ParamJournal) -> None:
         await journal.open()
         while True:
+            began = time.monotonic()  # the heartbeats read are at least this old
             self.states[name] = await rb.journaled(journal, name)
-            self.read_at[name] = time.monotonic()
+            self.read_at[name] = began
             await asyncio.sleep(0.5)
 
     async def adopt(self) -> None:

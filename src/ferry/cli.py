@@ -234,7 +234,9 @@ def stream_rm(
         what = f"stream {name} and its {info['messages']:,} messages"
         if not sys.stdin.isatty():
             raise UsageError(f"pass --yes to delete {what}")
-        typer.confirm(f"delete {what}?", abort=True)
+        if not typer.confirm(f"delete {what}?", err=True):
+            err.print("nothing deleted")
+            raise typer.Exit(1)
     run(bnats.stream_delete(nats_cluster, name, cluster))
     if as_json:
         print_json({"deleted": name, "messages": info["messages"]})
@@ -349,8 +351,9 @@ def _busy(what: str, enabled: bool = True) -> Iterator[None]:
     """A spinner with the time so far, on stderr, for work that cannot count its progress."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=err, transient=True) as bar:
-        bar.add_task(what, visible=enabled)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        bar.add_task(escape(what), visible=enabled)
         yield
 
 
@@ -1595,7 +1598,8 @@ def lab_failback_setting(
     as_json: JsonOpt = False,
 ) -> None:
     """On the rabbit-dr lab: upstream art federates queues to pc1 and ltm, and ltm's hold messages
-    nobody consumed (what `ferry failback --from ltm --to pc1` brings home). Idempotent."""
+    nobody consumed (what `ferry failback --from ltm --to pc1` brings home). Run again, it adds as
+    many messages again."""
     from ferry.lab.scenarios import dr_federation, fill_queue
 
     topo = _topology(topology)
@@ -1614,7 +1618,7 @@ def lab_failback_setting(
         print_json(result)
         return
     out.print(
-        f"art federates {', '.join(names)} (vhost /) to pc1 and ltm; ltm holds {messages:,} on each\n"
+        f"art federates {', '.join(names)} (vhost /) to pc1 and ltm; {messages:,} more on each of ltm's\n"
         "next: ferry failback --from ltm --to pc1 --dry-run"
     )
 

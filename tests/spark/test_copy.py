@@ -389,7 +389,7 @@ def test_an_interrupted_backup_leaves_nothing_and_runs_again(
         sig=signal.SIGINT,
     )
     assert code == 130 and stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr
-    assert not (tmp_path / "backup").exists()
+    assert not (tmp_path / "backup").exists() and not (tmp_path / ".backup.ferry-partial").exists()
     assert json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)["stored"] == N
 
 
