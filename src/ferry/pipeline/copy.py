@@ -175,7 +175,10 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
         if src.start_seq or src.end_seq:
             plan.notes.append("a sequence range was given: the message count is the whole stream's")
     elif src.kind == "parquet":
-        plan.messages, plan.bytes = _parquet_size(src.path or "")
+        try:
+            plan.messages, plan.bytes = _parquet_size(src.path or "")
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ConfigError(f"{src}: not a Parquet backup ({str(exc).splitlines()[0]})") from None
     elif src.kind == "rabbitmq":
         plan.queues = await _source_queues(topology, src)
         await live_counts(topology.rabbitmq(src.cluster or ""), plan.queues)
