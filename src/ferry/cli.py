@@ -1173,7 +1173,7 @@ def _print_evacuation(r: dict[str, Any]) -> None:
         highlight=False,
     )
     now = r.get("now") or r.get("current") or {}
-    table = Table("", "connections", "mqtt", "sessions (leaders)", "replicas")
+    table = Table("", "connections", "mqtt", "sessions (leaders)", "replicas (followers)")
     table.add_row("initial", *(f"{i[k]:,}" for k in ("connections", "mqtt", "sessions", "replicas")))
     if now:
         table.add_row("current", *(f"{now.get(k, 0):,}" for k in ("connections", "mqtt", "sessions", "replicas")))
