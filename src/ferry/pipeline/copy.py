@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from nats.js.api import AckPolicy
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
@@ -717,15 +716,17 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
                 return -left
 
         elif src.kind == "jetstream":  # into Parquet or RabbitMQ: count what the copy's readers got
+            from ferry.ops.move import consumers
+
             cluster = topology.nats(src.cluster or "")
             nc = await stack.enter_async_context(bnats.session(cluster, name=src.cluster or ""))
-            others = {c.name for c in await _consumers(nc, src.stream or "")}
+            others = set(await consumers(nc, src.stream or ""))
             delivered: dict[str, int] = {}  # reader consumer -> messages it delivered (kept once it is gone)
 
             async def count() -> int:
-                for c in await _consumers(nc, src.stream or ""):
-                    if c.name not in others and c.config.ack_policy == AckPolicy.NONE:
-                        delivered[c.name] = c.delivered.consumer_seq or 0
+                for name, c in (await consumers(nc, src.stream or "")).items():
+                    if name not in others and c["config"].get("ack_policy") == "none":
+                        delivered[name] = c["delivered"].get("consumer_seq") or 0
                 return min(plan.messages, sum(delivered.values()))
 
         else:
@@ -734,16 +735,6 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
         while not await asyncio.to_thread(stop.wait, 0.5):
             with contextlib.suppress(Exception):
                 progress(max(0, await count() - base))
-
-
-async def _consumers(nc: Any, stream: str) -> list[Any]:
-    """Every consumer of `stream` (the server lists 256 at a time)."""
-    found: list[Any] = []
-    while page := await nc.jsm().consumers_info(stream, offset=len(found)):
-        found += page
-        if len(page) < 256:
-            break
-    return found
 
 
 # -- errors from executors ----------------------------------------------------------------------
