@@ -543,6 +543,10 @@ def _event_line(event: str, data: dict[str, Any]) -> str:
     return f"{event}: " + " ".join(f"{k}={v}" for k, v in pairs)
 
 
+def _print_plain_event(event: str, **data: Any) -> None:
+    err.print(_event_line(event, data), highlight=False)
+
+
 def _peer(p: dict[str, Any]) -> str:
     mark = "*" if p.get("leader") else ""
     return p["name"] + mark + ("" if p["current"] else f"(lag {p['lag']})")
@@ -633,7 +637,7 @@ def failback_cmd(
                     bar.append(stack.enter_context(_progress(data["total"], f"failback ({engine})")))
                 bar[0](data["moved"])
             elif event in ("resume", "upstream-disabled", "upstream-restored"):
-                err.print(_event_line(event, data), highlight=False)
+                _print_plain_event(event, **data)
 
         report = run(failback(topo, req, emit, spark))
     if as_json:
@@ -1124,7 +1128,7 @@ class _Ticker:
                 done = ", ".join(f"{v:,} {k}" for k, v in self.counts.items() if v)
                 err.print(f"  moved so far: {done}{left}", highlight=False)
         elif event != "plan":  # the plan is in the final report
-            err.print(_event_line(event, data), highlight=False)
+            _print_plain_event(event, **data)
 
 
 @node_app.command("evacuate")
@@ -1340,10 +1344,6 @@ replicate_app = typer.Typer(
 site_app = typer.Typer(**_plain, help="Fail a site over to its replica, and back.", no_args_is_help=True)
 app.add_typer(replicate_app, name="replicate")
 app.add_typer(site_app, name="site")
-
-
-def _print_plain_event(event: str, **data: Any) -> None:
-    err.print(_event_line(event, data), highlight=False)
 
 
 FromOpt = Annotated[str, typer.Option("--from", help="Source site (a NATS cluster of the topology).")]
