@@ -1141,6 +1141,12 @@ def node_evacuate(
     sess_evict_rate: SessRateOpt = 500,
     migrate_to: Annotated[str | None, typer.Option(help="Nodes to move leaders to (comma list).")] = None,
     redirect_to: Annotated[str | None, typer.Option(help="MQTT 5 redirection targets (not offered by NATS).")] = None,
+    relocate_rate: Annotated[
+        int | None,
+        typer.Option(
+            min=1, metavar="MSGS", help="Messages per second when relocating a classic queue (unpaced if unset)."
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what the node holds; change nothing.")] = False,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
@@ -1158,6 +1164,7 @@ def node_evacuate(
         sess_evict_rate=sess_evict_rate,
         migrate_to=_names(migrate_to),
         redirect_to=_names(redirect_to),
+        relocate_rate=relocate_rate,
         dry_run=dry_run,
     )
     report = run(evacuate(topo, req, _Ticker(as_json)))
@@ -1173,7 +1180,8 @@ def _print_evacuation(r: dict[str, Any]) -> None:
     out.print(
         f"{r['node']} ({r['cluster']}): {r.get('outcome', r.get('state'))}; state {r.get('state', '-')}; "
         f"conn rate {rates['conn_evict_rate']}/s, session rate {rates['sess_evict_rate']}/s, "
-        f"wait health check {rates['wait_health_check']:g}s, wait takeover {rates['wait_takeover']:g}s",
+        f"wait health check {rates['wait_health_check']:g}s, wait takeover {rates['wait_takeover']:g}s"
+        + (f", relocate rate {rates['relocate_rate']:,}/s" if rates.get("relocate_rate") else ""),
         highlight=False,
     )
     now = r.get("now") or r.get("current") or {}

@@ -506,6 +506,7 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
 
     publisher = asyncio.create_task(publish_meanwhile())
     args_cli = ["node", "evacuate", first.name, "--wait-health-check", "0", "--wait-takeover", "0", "--json"]
+    args_cli += ["--relocate-rate", "1500"]  # the holding queue holds messages for seconds: long enough to kill ferry
     try:
         loop = asyncio.get_running_loop()
 

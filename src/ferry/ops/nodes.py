@@ -478,13 +478,16 @@ class RabbitNodes(_Nodes):
             return [str(exc)] * len(moves)
         return ["" if r.startswith("{migrated") else r for r in results]
 
-    async def relocate(self, moves: list[tuple[Asset, str]], emit: Callable[..., None]) -> list[str]:
-        """Relocate classic queues (each to its target node; see the module docstring): the
-        error per queue, "" when it now lives on its target."""
+    async def relocate(
+        self, moves: list[tuple[Asset, str]], emit: Callable[..., None], rate: float | None = None
+    ) -> list[str]:
+        """Relocate classic queues (each to its target node; see the module docstring), their
+        messages moved at `rate` per second (None: unpaced): the error per queue, "" when it now
+        lives on its target."""
         results = []
         for a, target in moves:
             try:
-                moved = await self._relocate(a, target)
+                moved = await self._relocate(a, target, rate)
             except FerryError as exc:
                 results.append(str(exc))
                 continue
@@ -492,7 +495,7 @@ class RabbitNodes(_Nodes):
             results.append("")
         return results
 
-    async def _relocate(self, a: Asset, target: str) -> int:
+    async def _relocate(self, a: Asset, target: str, rate: float | None) -> int:
         assert self.m
         m, vhost, name = self.m, a.account, a.stream
         held = RELOCATE_PREFIX + name
@@ -507,13 +510,13 @@ class RabbitNodes(_Nodes):
             if hold is None:
                 hold = await self._declare(vhost, held, here, target)
             await self._rebind(vhost, name, held)
-            moved += await self._drain_into(vhost, name, held, target)
+            moved += await self._drain_into(vhost, name, held, target, rate)
         elif hold is None:
             return 0  # relocated already
         if await m.get(path(name), ok404=True) is None:
             await self._declare(vhost, name, hold, target)
         await self._rebind(vhost, held, name)
-        moved += await self._drain_into(vhost, held, name, target)
+        moved += await self._drain_into(vhost, held, name, target, rate)
         return moved
 
     async def _declare(self, vhost: str, queue: str, like: dict[str, Any], target: str) -> dict[str, Any]:
@@ -545,7 +548,7 @@ class RabbitNodes(_Nodes):
         for b in bindings:
             await self.m.delete(f"/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(old)}/{q(b['properties_key'])}")
 
-    async def _drain_into(self, vhost: str, source: str, dest: str, target: str) -> int:
+    async def _drain_into(self, vhost: str, source: str, dest: str, target: str, rate: float | None) -> int:
         """Move `source`'s messages to `dest` with the data plane until `source` is empty, then
         delete it (only if empty: a publisher may still add to it)."""
         from ferry.pipeline.copy import run_moves
@@ -564,7 +567,7 @@ class RabbitNodes(_Nodes):
                     return moved
                 if ready:
                     task = MoveTask(cluster, self.name, vhost, source, sink, f"relocate-{uuid.uuid4().hex[:8]}")
-                    task.broker = index
+                    task.broker, task.rate = index, rate
                     spark = await self._spark()
                     moved += sum(r.moved for r in await asyncio.to_thread(run_moves, spark, [task]))
                 try:

@@ -152,6 +152,7 @@ class EvacuateRequest(Rates):
     cluster: str = ""
     migrate_to: list[str] = []
     redirect_to: list[str] = []
+    relocate_rate: int | None = Field(None, gt=0)  # messages/s moving a classic queue; None: as fast as it goes
     dry_run: bool = False
 
     @field_validator("redirect_to")
@@ -379,7 +380,9 @@ async def _evacuation_plan(nodes: Nodes, journal: AnyJournal, cname: str, req: E
     return {
         "cluster": cname,
         "node": req.node,
-        "rates": req.model_dump(include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate"}),
+        "rates": req.model_dump(
+            include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate", "relocate_rate"}
+        ),
         "migrate_to": req.migrate_to,
         "recipients": recipients,
         "initial": v.summary(),
@@ -542,7 +545,7 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
     if not moves:
         return 0
     await journal()
-    errors = await d.while_saving(nodes.relocate(moves, d.emit))
+    errors = await d.while_saving(nodes.relocate(moves, d.emit, d.st["rates"].get("relocate_rate")))
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
             d.emit("warning", message=f"{a.label}: relocation to {target} failed: {err}")
