@@ -4,7 +4,9 @@ through refusals and leader changes."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import nats.errors
 import pytest
 
 from ferry import lab
@@ -122,6 +124,15 @@ async def test_a_stream_that_does_not_allow_batches_is_a_config_error(superclust
         await _publish(topo, "FB4", 100)
 
 
+async def _stored(nc: Any, stream: str) -> int:
+    """The stream's message count; 0 while it does not answer (CI saw a stream info time out in
+    the election after a stepdown)."""
+    try:
+        return (await nc.jsm(timeout=2).stream_info(stream)).state.messages
+    except nats.errors.TimeoutError:
+        return 0
+
+
 async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_changes(supercluster: lab.LabState) -> None:
     """The copy's ordered mode in batches: each message expects its predecessor as the stream's
     last (``Nats-Expected-Last-Sequence``), so leader changes cost re-sends but never order."""
@@ -142,7 +153,7 @@ async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_chan
         async with bnats.session(topo.nats("east")) as nc:
             for stored in (n // 4 + 5000, n // 2 + 5000):  # inside a chunk of 20,000, not at its resync
                 async with asyncio.timeout(120):
-                    while (await nc.jsm().stream_info("FB5")).state.messages < stored:
+                    while await _stored(nc, "FB5") < stored:
                         await asyncio.sleep(0.01)
                 reply = await nc.request("$JS.API.STREAM.LEADER.STEPDOWN.FB5", b"", timeout=10)
                 assert b'"success":true' in reply.data, reply.data
