@@ -1462,6 +1462,8 @@ def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> 
         for stream, p in progress.items():
             cells = [p.get(k) for k in ("relayed", "lag", "lag_s", "rate")]
             table.add_row(name, state, leader, stream, *("-" if c is None else f"{c:,}" for c in cells))
+            if p.get("lag_at") == "last relay":
+                table.caption = "lag as the last relay saw it where the source did not answer now"
     out.print(table)
 
 
@@ -1685,8 +1687,7 @@ def main() -> None:
         err.print(f"[red]error:[/] {escape(exc.format_message())}", highlight=False)
         sys.exit(exc.exit_code)
     except typer.Abort:
-        err.print("interrupted")
-        sys.exit(130)
+        _interrupted()
     except FerryError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
@@ -1699,11 +1700,18 @@ def main() -> None:
         err.print(f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__})")
         sys.exit(1)
     except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+        _interrupted()
     if code == 130:  # typer's answer to Ctrl-C
-        err.print("interrupted")
+        _interrupted()
     sys.exit(code if isinstance(code, int) else 0)  # a typer.Exit's code, else success
+
+
+def _interrupted() -> None:
+    spark = sys.modules.get("ferry.pipeline.spark")  # loaded only by the commands that use Spark
+    if spark:
+        spark.interrupt_remote()
+    err.print("interrupted")
+    sys.exit(130)
 
 
 if __name__ == "__main__":

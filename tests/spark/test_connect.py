@@ -18,7 +18,7 @@ import pytest
 from ferry import lab
 from ferry.lab.procs import free_ports, port_open
 from tests.conftest import profile_topology
-from tests.helpers import ferry, fill_stream, make_stream, read_stream
+from tests.helpers import ferry, ferry_killed_when, fill_stream, make_stream, read_stream, stream_count
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
@@ -88,6 +88,36 @@ def test_copy_through_spark_connect(supercluster: lab.LabState, connect_server: 
         ).stdout
     )
     assert report["stored"] == 3000
+
+
+def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, connect_server: str) -> None:
+    """The job runs on the server: Ctrl-C must stop it there too, not only the client (the
+    server would otherwise copy on, unwatched, until it finished)."""
+    topo = profile_topology(supercluster)
+    topology = supercluster.path / "topology.yaml"
+    asyncio.run(make_stream(topo, "east", "SCINT", ["scint.>"], placement="east"))
+    asyncio.run(fill_stream(topo, "east", 20_000, subject=lambda i: f"scint.{i % 3}", payload=lambda i: b"m%d" % i))
+    asyncio.run(make_stream(topo, "west", "SCINTD", ["sc.scint.>"], placement="west"))
+    args = ["copy", "jetstream://east/SCINT", "jetstream://west/SCINTD", "--subject-prefix", "sc.", "--rate", "1000"]
+    started = time.monotonic()
+    code, stderr = ferry_killed_when(
+        lambda: stream_count(topo, "west", "SCINTD") >= 1000,
+        *args,
+        "--spark-remote",
+        connect_server,
+        topology=topology,
+        sig=signal.SIGINT,
+    )
+    assert code == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
+    assert time.monotonic() - started < 60, "Ctrl-C waited for the job"
+    counts = [stream_count(topo, "west", "SCINTD")]
+    deadline = time.monotonic() + 15  # the server stops its task (Python worker and all) in a few seconds
+    while len(counts) < 3 or counts[-1] != counts[-3]:  # steady for a second
+        assert time.monotonic() < deadline, f"the job goes on on the server: {counts}"
+        time.sleep(0.5)
+        counts.append(stream_count(topo, "west", "SCINTD"))
+    time.sleep(4)  # at 1,000 msg/s a job still running would add about 4,000
+    assert stream_count(topo, "west", "SCINTD") == counts[-1] < 20_000
 
 
 def test_unreachable_connect_server_is_one_line(supercluster: lab.LabState) -> None:

@@ -60,6 +60,8 @@ _FULL_JVM = "-XX:+UseParallelGC"
 # JVM warnings (class data sharing's among them) go to stderr, i.e. the Spark log, not stdout
 _JVM_LOG = "-Xlog:disable -Xlog:all=warning:stderr"
 
+_remote_sessions: list[Any] = []  # this process's Spark Connect sessions: their jobs run on the server
+
 
 def _class_archive(light_jvm: bool) -> str:
     """JVM options for class data sharing: the driver maps the classes Spark loads from an
@@ -174,9 +176,19 @@ def get_session(
         raise ConfigError(
             f"could not start a Spark session on {where}: {str(exc).splitlines()[0]}", hint=f"see {spark_log()}"
         ) from None
+    if remote:
+        _remote_sessions.append(spark)
     if data_sources:
         register(spark)
     return spark
+
+
+def interrupt_remote() -> None:
+    """Stop this process's jobs on Spark Connect servers. Ctrl-C ends the client; a job on the
+    server would otherwise run on to its end, unwatched (a local driver dies with the client)."""
+    for spark in _remote_sessions:
+        with contextlib.suppress(Exception):
+            spark.interruptAll()
 
 
 def spark_log() -> Path:
