@@ -199,6 +199,10 @@ def test_status_tells_a_started_replication_from_a_running_relay(topology: Path,
         stream = row["progress"]["STAT"]
         assert stream["rate"] is None and stream["last_rate"] is not None, row  # no live rate, the last one labelled
         assert row["progress_age_s"] is not None and row["heartbeat_age_s"] is None, row
+        assert (stream["lag"], stream["lag_at"]) == (0, "now"), row
+        more = finished(load(topology, "nyc", "stat.{n}", tmp_path / "ledger2", 500, 2))["acked"]
+        stream = replication(topology)["progress"]["STAT"]  # nothing relays them: the backlog grows
+        assert (stream["lag"], stream["lag_at"]) == (more, "now") and stream["lag_s"] > 0, stream
     finally:
         relay.close()
 

@@ -421,7 +421,8 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
     "resuming", "stopping" or "none"), ``intent`` ("started" or "stopped") and ``summary`` (one line
     for people, e.g. ``started, no relay running`` or ``running (leader h:1, heartbeat 0.4 s ago)``).
     Per stream ``rate`` is the live relay's only; without one it is None and the last relay's is
-    ``last_rate``, measured ``progress_age_s`` seconds ago (a row field)."""
+    ``last_rate``, measured ``progress_age_s`` seconds ago (a row field), while the backlog
+    (``lag``, ``lag_s``, ``source_last``) is read from the source now (``lag_at``)."""
     out = []
     for site, name, cluster in topo.clusters():
         if not isinstance(cluster, NatsCluster) or name != site:
@@ -433,7 +434,26 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
                     out.append(_status_row(state, time.time()))
         except Exception as exc:  # one unreachable site must not hide the others
             out.append({"dest": site, "error": _first_line(exc)})
+    for row in out:
+        if row.get("progress") and not any(p.get("rate") is not None for p in row["progress"].values()):
+            await _lag_now(topo, row)
     return out
+
+
+async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
+    """Without a relay reporting, the backlog keeps growing at the source: read it there now
+    (``lag_at`` "now"), instead of showing the last relay's figures (left as they were, with
+    ``lag_at`` "last relay", when the source does not answer)."""
+    relayed = {s: int(p.get("relayed") or 0) for s, p in row["progress"].items()}
+    try:
+        async with bnats.session(_cluster(topo, row["source"]), name=CONTROL, timeout=2) as nc:
+            fresh = await _lags(nc, relayed)
+    except Exception:
+        for p in row["progress"].values():
+            p["lag_at"] = "last relay"
+        return
+    for s, p in row["progress"].items():
+        p.update(fresh[s], lag_at="now")
 
 
 def _status_row(state: dict[str, Any], now: float) -> dict[str, Any]:
@@ -690,19 +710,26 @@ class _Progress:
         out: dict[str, dict[str, Any]] = {}
         try:
             self.nc = self.nc or await bnats.connect(self.cluster, name=CONTROL, timeout=2)
-            jsm = self.nc.jsm(timeout=2)
-            for s, r in self.relayed.items():
-                last = (await jsm.stream_info(s)).state.last_seq
-                lag_s = 0.0
-                if last > r:
-                    with contextlib.suppress(Exception):
-                        lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
-                out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
+            out = await _lags(self.nc, self.relayed)
         except Exception:  # the source is unreachable: lag unknown
             out = {s: {"relayed": r, "source_last": None, "lag": None, "lag_s": None} for s, r in self.relayed.items()}
         for s, row in out.items():
             row["rate"] = round((self.relayed[s] - before.get(s, 0)) / max(now - t0, 1e-6), 1)
         return out
+
+
+async def _lags(nc: Any, relayed: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Per source stream: the last relayed sequence, the stream's last, and the backlog between
+    them in messages and in seconds (the age of the oldest message not relayed yet)."""
+    jsm, out = nc.jsm(timeout=2), {}
+    for s, r in relayed.items():
+        last = (await jsm.stream_info(s)).state.last_seq
+        lag_s = 0.0
+        if last > r:
+            with contextlib.suppress(Exception):
+                lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
+        out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
+    return out
 
 
 def _first_line(exc: Any) -> str:
