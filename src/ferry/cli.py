@@ -1477,6 +1477,7 @@ def site_failover(
         bool, typer.Option("--reverse", help="Then define TO -> FROM replication once FROM is reachable.")
     ] = False,
     wait: Annotated[float, typer.Option(min=0, help="With --reverse: seconds to wait for FROM.")] = 600.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what TO holds so far; change nothing.")] = False,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -1484,9 +1485,17 @@ def site_failover(
     from ferry.ops import replicate as rp
 
     emit = _json_events if as_json else _print_plain_event
-    result = run(rp.failover(_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait))
+    result = run(rp.failover(_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait, dry_run=dry_run))
     if as_json:
         print_json(result)
+        return
+    if dry_run:
+        reach = "reachable" if result["source_reachable"] else "not reachable"
+        out.print(
+            f"dry run: would fence {result['from']} -> {to} ({result['relay']}) and make {to} primary; "
+            f"{result['from']} sequences {to} holds so far: {result['replicated']}; {result['from']} is {reach}",
+            highlight=False,
+        )
         return
     fo = result["failover"]
     out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {fo['replicated']}")

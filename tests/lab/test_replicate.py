@@ -294,8 +294,13 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         wait_for(lambda: not nyc.alive(), 10, "nyc to die")
         at_nyc = finished(producers)["acked"]
 
-        fo = json.loads(ferry("site", "failover", "--to", "sfo", "--json", topology=topology, check=True).stdout)
+        args = ["site", "failover", "--to", "sfo", "--json"]
+        dry = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)
+        assert dry["dry_run"] and dry["from"] == "nyc" and not dry["source_reachable"], dry
+        assert replication(topology)["desired"] == "running", "a dry run changed the replication"
+        fo = json.loads(ferry(*args, topology=topology, check=True).stdout)
         replicated = fo["failover"]["replicated"]["CYC"]
+        assert dry["replicated"]["CYC"] == replicated, (dry, fo)  # the relay is paused: sfo holds the same
         assert fo["primary"] == "sfo" and 2000 < replicated < at_nyc and not fo["source_reachable"]
         relay.kill(signal.SIGCONT)  # the old relay wakes up fenced: it must stop, not relay
         assert relay.proc.wait(timeout=60) == 0

@@ -791,10 +791,17 @@ async def _reachable(topo: Topology, site: str) -> bool:
 
 
 async def failover(
-    topo: Topology, to: str, source: str | None = None, emit: Emit = _quiet, reverse: bool = False, wait: float = 600
+    topo: Topology,
+    to: str,
+    source: str | None = None,
+    emit: Emit = _quiet,
+    reverse: bool = False,
+    wait: float = 600,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Stop SOURCE -> TO (fencing its relay), record what TO holds, make TO the primary; with
-    `reverse`, define TO -> SOURCE once SOURCE answers (within `wait` seconds)."""
+    `reverse`, define TO -> SOURCE once SOURCE answers (within `wait` seconds). `dry_run`: what
+    TO holds so far and whether a relay still runs; nothing changes."""
     async with _journal(topo, to, "") as j:
         keys = await j.keys([f"relay.*.{to}"])
         defs = {k: await j.get(k) or {} for k in keys}
@@ -808,6 +815,17 @@ async def failover(
     rep = Replication.from_state(state)
     if rep.mapped:
         raise UsageError("site failover needs a replication without stream or subject mapping")
+    if dry_run:
+        streams = sorted(state.get("progress") or {}) or await _streams(_cluster(topo, to), rep.streams, to)
+        found = await positions(topo, rep, streams)
+        return {
+            "dry_run": True,
+            "from": src,
+            "to": to,
+            "relay": _status_row(state, time.time())["summary"],
+            "replicated": {s: h.last for s, h in found.items()},
+            "source_reachable": await _reachable(topo, src),
+        }
     stopped = await stop(topo, src, to, wait=10.0, force=True)
     emit("fenced", replication=f"{src} -> {to}", marker=stopped.get("marker"))
     streams = sorted((stopped.get("progress") or {}) or (stopped.get("resumed_after") or {}))
