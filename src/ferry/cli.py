@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ferry.errors import FerryError
+from ferry.errors import FerryError, redact
 
 try:  # typer vendors click since 0.2x; its errors are what a bad command line raises
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -259,7 +259,14 @@ def _print_stream(info: dict[str, Any], as_json: bool) -> None:
 # -- copy ---------------------------------------------------------------------------------
 
 SparkMaster = Annotated[str | None, typer.Option("--spark-master", help="Spark master URL (default local[*]).")]
-SparkRemote = Annotated[str | None, typer.Option("--spark-remote", help="Spark Connect URL sc://host:port.")]
+SparkRemote = Annotated[
+    str | None,
+    typer.Option(
+        "--spark-remote",
+        envvar="FERRY_SPARK_REMOTE",
+        help="Spark Connect URL sc://host:port (from the environment, a ;token= stays off the command line).",
+    ),
+]
 
 
 @app.command("copy")
@@ -1693,7 +1700,7 @@ def main() -> None:
         err.print(exc.format_message(), highlight=False, markup=False)
         sys.exit(2)
     except ClickException as exc:  # bad usage: one line, exit 2
-        err.print(f"[red]error:[/] {escape(exc.format_message())}", highlight=False)
+        err.print(f"[red]error:[/] {escape(redact(exc.format_message()))}", highlight=False)
         sys.exit(exc.exit_code)
     except typer.Abort:
         _interrupted()
@@ -1703,7 +1710,7 @@ def main() -> None:
     except pydantic.ValidationError as exc:
         e = exc.errors()[0]
         where = ".".join(str(x) for x in e["loc"])
-        err.print(f"[red]error:[/] {where}: {e['msg'].removeprefix('Value error, ')}", highlight=False)
+        err.print(f"[red]error:[/] {where}: {redact(e['msg'].removeprefix('Value error, '))}", highlight=False)
         sys.exit(2)
     except TimeoutError as exc:
         err.print(f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__})")

@@ -11,6 +11,20 @@ answer in time) may be retried by the caller; terminal ones may not.
 
 from __future__ import annotations
 
+import re
+
+_SECRETS = (
+    (re.compile(r"(//[^/\s:@'\"]*):[^@\s'\"]*@"), r"\1:***@"),  # scheme://user:password@host
+    (re.compile(r"(\btoken=)[^;&\s'\"]+", re.IGNORECASE), r"\1***"),  # Spark Connect's ;token=...
+)
+
+
+def redact(text: str) -> str:
+    """`text` with the passwords of URLs and tokens masked (a broker echoes the URI it refused)."""
+    for pattern, mask in _SECRETS:
+        text = pattern.sub(mask, text)
+    return text
+
 
 class FerryError(Exception):
     """Root of every error ferry raises on purpose."""
@@ -19,8 +33,8 @@ class FerryError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, *, hint: str | None = None, **fields: object) -> None:
-        self.message = message
-        self.hint = hint
+        self.message = redact(message)
+        self.hint = redact(hint) if hint else hint
         self.fields = {k: v for k, v in fields.items() if v is not None}
         super().__init__(message)
 

@@ -62,6 +62,8 @@ class _Model(BaseModel):
 
 def _url(value: str, schemes: tuple[str, ...]) -> str:
     parts = urlsplit(value)
+    if parts.password:
+        raise ValueError("URL carries a password; use credentials.password_env or password_file instead")
     if parts.scheme not in schemes:
         raise ValueError(f"invalid URL {value!r}: scheme must be one of {', '.join(schemes)}")
     if not parts.hostname:
@@ -72,8 +74,6 @@ def _url(value: str, schemes: tuple[str, ...]) -> str:
         raise ValueError(f"invalid URL {value!r}: bad port") from exc
     if port is None:
         raise ValueError(f"invalid URL {value!r}: no port")
-    if parts.password:
-        raise ValueError("URL carries a password; use credentials.password_env or password_file instead")
     return value.rstrip("/")
 
 

@@ -7,9 +7,11 @@ import textwrap
 import pytest
 from typer.testing import CliRunner
 
+from ferry.brokers.rabbitmq import amqp_uri
 from ferry.cli import app
-from ferry.errors import ConfigError, NotFound
-from ferry.topology import parse_topology
+from ferry.errors import ConfigError, FerryError, NotFound, redact
+from ferry.pipeline.uris import parse_uri
+from ferry.topology import RabbitCluster, parse_topology
 
 VALID = textwrap.dedent(
     """\
@@ -78,6 +80,9 @@ def _error(text: str) -> str:
             "t.yaml:20: sites.dr.clusters.ltm.brokers[0].url: invalid URL 'amqp://127.0.0.1': no port",
         ),
         ("url: amqp://127.0.0.1:5672", "url: amqp://u:hunter2@127.0.0.1:5672", "URL carries a password"),
+        # invalid otherwise too: the password is refused before the URL is quoted in an error
+        ("url: amqp://127.0.0.1:5672", "url: amqp://u:hunter2@127.0.0.1", "URL carries a password"),
+        ("url: nats://127.0.0.1:4222", "url: http://u:hunter2@127.0.0.1:4222", "URL carries a password"),
         ("kind: rabbitmq", "kind: kafka", "t.yaml:16: sites.dr.clusters.ltm.kind: unknown kind 'kafka'"),
         ("  dr:\n", "  lab:\n", "t.yaml:13: sites.lab: duplicate key"),
         (
@@ -156,3 +161,33 @@ def test_erlang_access_needs_exactly_one_cookie_source(monkeypatch: pytest.Monke
     for bad in ("{}", "{cookie_env: A, cookie_file: /x}"):
         with pytest.raises(ConfigError, match="exactly one"):
             parse_topology(with_erlang.replace("{cookie_env: FERRY_T_COOKIE}", bad), "t.yaml")
+
+
+def test_errors_mask_passwords_and_tokens() -> None:
+    """A broker may echo the URI it refused (RabbitMQ's 400 on a shovel's dest-uri), and a Spark
+    Connect URL may carry a token: no error ferry raises shows either."""
+    message = str(
+        FerryError('400 "amqp://ferry:hunter2@[::1]:5672/%2F" not a valid URI', hint="sc://h:1/;token=hunter2")
+    )
+    assert "hunter2" not in message and "amqp://ferry:***@[::1]:5672" in message and "token=***" in message
+    assert redact("amqp://guest@h:1/ and http://h:15672/api") == "amqp://guest@h:1/ and http://h:15672/api"
+
+
+def test_a_uri_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_uri("jetstream://app:hunter2@east/ORDERS")
+    assert "hunter2" not in str(exc.value) and "give none here" in str(exc.value)
+
+
+def test_an_ipv6_broker_keeps_its_brackets_in_a_shovel_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_V6", "pw")
+    cluster = RabbitCluster.model_validate(
+        {
+            "kind": "rabbitmq",
+            "credentials": {"user": "ferry", "password_env": "FERRY_T_V6"},
+            "brokers": [
+                {"name": "v6-1", "url": "amqp://[::1]:5672", "management_url": "http://[::1]:15672"},
+            ],
+        }
+    )
+    assert amqp_uri(cluster, "/") == "amqp://ferry:pw@[::1]:5672/%2F"

@@ -102,7 +102,8 @@ def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:
     creds = cluster.credentials
     user = quote(creds.user if creds else "guest", safe="")
     password = quote((creds.password() if creds else None) or "guest", safe="")
-    return f"{parts.scheme}://{user}:{password}@{parts.hostname}:{parts.port}/{q(vhost)}"
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
+    return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}"
 
 
 async def amqp_connect(

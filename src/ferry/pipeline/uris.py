@@ -64,6 +64,11 @@ def parse_uri(uri: str) -> Endpoint:
         return Endpoint(kind, uri, path=unquote(path))
     if not parts.netloc:
         raise ConfigError(f"{uri!r}: no cluster name ({kind}://CLUSTER/...)")
+    if "@" in parts.netloc:
+        raise ConfigError(
+            f"{kind}://{parts.netloc.rpartition('@')[2]}...: a URI names a cluster of the topology, "
+            "which holds its credentials; give none here"
+        )
     segments = parts.path.split("/")[1:] if parts.path else []
     if kind == "jetstream":
         if len(segments) != 1 or not segments[0]:
