@@ -1717,6 +1717,14 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         _interrupted()
+    except Exception as exc:  # a Spark job's failure (from a task, or Spark's own): one line too
+        if not type(exc).__module__.startswith(("pyspark", "py4j")):
+            raise
+        from ferry.pipeline.copy import spark_error
+
+        failure = spark_error(exc)
+        err.print(f"[red]error:[/] {escape(str(failure))}", highlight=False)
+        sys.exit(failure.exit_code)
     if code == 130:  # typer's answer to Ctrl-C
         _interrupted()
     sys.exit(code if isinstance(code, int) else 0)  # a typer.Exit's code, else success

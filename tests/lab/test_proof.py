@@ -150,6 +150,11 @@ def test_load_snapshot_audit_and_named_losses(
     buckets = {r["id"]: r["bucket"] for r in t["lost_ids"]}
     assert all(buckets[r["id"]] == r["sent_ns"] // 10**10 * 10 for r in ledger_rows if r["id"] in expected)
     assert sum(b["lost_acked"] for b in t["buckets"]) == len(expected)
+    # a tier that does not exist: one line, as every error
+    nope = ferry(
+        "audit", "--ledger", str(tmp_path / "js-ledger"), "--tier", "t=jetstream://east/NOPE", topology=topology
+    )
+    assert nope.returncode == 1 and nope.stderr.strip() == "error: stream 'NOPE' not found in cluster east", nope.stderr
 
     console = chromium(html, tmp_path / "report.png")
     assert console == [], console

@@ -743,7 +743,7 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$")
 
 
-def spark_error(exc: Exception) -> Exception:
+def spark_error(exc: Exception) -> FerryError:
     """An error raised in a Spark task reaches the driver as text: recover its one line."""
     if isinstance(exc, FerryError):
         return exc
