@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferry.brokers.base import mask_urls as redact
+from ferry.errors import redact
 from ferry.ops.failback import effective_policy, public
 
 

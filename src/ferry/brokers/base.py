@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import ClassVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from ferry.errors import AuthError, BrokerUnavailable, FerryError
+from ferry.errors import AuthError, BrokerUnavailable, FerryError, redact
 
 
 @dataclass
@@ -34,20 +33,6 @@ class BrokerKind:
     retryable: ClassVar[tuple[type[BaseException], ...]] = (BrokerUnavailable,)
 
 
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def mask_urls(text: str) -> str:
-    """Every amqp(s):// URL in free text (a broker's error, a shovel's reason) with its password masked."""
-    return re.sub(r"amqps?://\S+", lambda m: mask_url(m.group()), text)
-
-
 async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str]) -> Probe:
     """Run one endpoint check; any ferry error becomes a failed probe with its one-line reason."""
     t0 = time.perf_counter()
@@ -58,7 +43,7 @@ async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check:
         detail, ok = str(exc), False
     except (TimeoutError, OSError) as exc:
         detail, ok = f"{type(exc).__name__}: {exc}".rstrip(": "), False
-    return Probe(cluster, broker, endpoint, mask_url(url), ok, detail, (time.perf_counter() - t0) * 1000)
+    return Probe(cluster, broker, endpoint, redact(url), ok, detail, (time.perf_counter() - t0) * 1000)
 
 
 async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: float = 3.0) -> str:

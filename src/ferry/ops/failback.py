@@ -50,9 +50,8 @@ from typing import Any
 import aio_pika
 import aiormq
 
-from ferry.brokers.base import mask_url, mask_urls
 from ferry.brokers.rabbitmq import Management, amqp_connect, amqp_uri, q
-from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError
+from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError, redact
 from ferry.ops import Emit, no_emit
 from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import RabbitCluster, Topology
@@ -83,7 +82,7 @@ class FailbackRequest:
 def public(plan: dict[str, Any]) -> dict[str, Any]:
     """A plan or journal fit to print: upstream URIs without their passwords."""
     upstreams = [
-        {**u, "value": {**u["value"], "uri": [mask_url(x) for x in _uris(u["value"])]}} for u in plan["upstreams"]
+        {**u, "value": {**u["value"], "uri": [redact(x) for x in _uris(u["value"])]}} for u in plan["upstreams"]
     ]
     return {**plan, "upstreams": upstreams}
 
@@ -186,7 +185,7 @@ async def _upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[st
                     await ch.close()
                     break
                 except Exception as exc:  # unreachable, refused, or no such queue: say so, do not stop
-                    row["error"] = f"{mask_url(uri)} queue {queue!r}: {type(exc).__name__}"
+                    row["error"] = f"{redact(uri)} queue {queue!r}: {type(exc).__name__}"
     finally:
         for conn in conns.values():
             with contextlib.suppress(Exception):
@@ -593,7 +592,7 @@ async def _shovels(
             if state.get("state") == "terminated":
                 since = failing_since.setdefault(name, now)
                 if now - since > req.stall_timeout:
-                    reason = mask_urls(str(state.get("reason", "terminated")))
+                    reason = redact(str(state.get("reason", "terminated")))
                     raise OperationFailed(
                         f"shovel for {x['vhost']}/{x['queue']} failing for {req.stall_timeout:.0f}s: {reason}; "
                         "upstreams stay disabled (rerun to continue, or --abort)"
