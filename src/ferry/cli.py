@@ -600,6 +600,9 @@ def failback_cmd(
     vhost: Annotated[str | None, typer.Option(help="Only this vhost (default: every vhost).")] = None,
     engine: Annotated[str, typer.Option(help="shovel (dynamic shovels) or spark (the data-plane mover).")] = "shovel",
     max_active: Annotated[int, typer.Option(min=1, help="Shovels running at once.")] = 50,
+    stall_timeout: Annotated[
+        float, typer.Option(min=1, metavar="SECONDS", help="Stop when a shovel has not run for this long.")
+    ] = 60.0,
     target_queue: Annotated[
         str | None, typer.Option(help="Send every queue's messages to this queue (testing on one cluster).")
     ] = None,
@@ -626,6 +629,7 @@ def failback_cmd(
         max_active=max_active,
         dry_run=dry_run,
         abort=abort,
+        stall_timeout=stall_timeout,
     )
 
     def spark() -> Any:  # the queue mover reads with no data source

@@ -278,6 +278,37 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
 
 
+def test_a_shovel_that_cannot_run_stops_the_failback_and_a_rerun_finishes(
+    dr: dict[str, Any], tmp_path: Path, spark: Any
+) -> None:
+    """The main cluster refuses the shovels' publishes (its user may not write to a vhost): the
+    failback stops after --stall-timeout with one line, the upstreams still disabled; once the
+    permission is back, the same command finishes it."""
+    topo, topology = dr["topo"], dr["topology"]
+    user = topo.rabbitmq("pc1").credentials.user  # type: ignore[union-attr]
+    vhost = next(iter(VHOSTS))
+
+    async def write(allowed: str) -> None:
+        async with Management(topo.rabbitmq("pc1"), name="pc1") as m:
+            perms = {"configure": ".*", "write": allowed, "read": ".*"}
+            await m.request("PUT", f"/permissions/{q(vhost)}/{q(user)}", json=perms)
+
+    asyncio.run(write("^$"))
+    try:
+        args = ["failback", "--from", "ltm", "--to", "pc1"]
+        stalled = ferry(*args, "--stall-timeout", "5", topology=topology, timeout=120)
+        assert stalled.returncode != 0, stalled.stderr
+        last = stalled.stderr.strip().splitlines()[-1]
+        assert "not running for 5s" in last and "rerun to continue, or --abort" in last, stalled.stderr
+        assert dr["password"] not in stalled.stderr
+        assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled: nothing pulls
+    finally:
+        asyncio.run(write(".*"))
+    ferry(*args, topology=topology, check=True)
+    _assert_done(dr)
+    assert _audit(spark, dr, tmp_path, max_dup=10**6)["lost"] == 0
+
+
 def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any], rabbit_dr: lab.LabState) -> None:
     ltm = rabbit_dr.proc("ltm")
     lab_rabbit.plugins(ltm, "disable", "--online", "rabbitmq_shovel_management")

@@ -76,7 +76,7 @@ class FailbackRequest:
     dry_run: bool = False
     abort: bool = False  # restore the upstreams and clean up without finishing
     link_timeout: float = 30.0  # seconds for federation links to stop
-    stall_timeout: float = 60.0  # seconds a shovel may fail before the failback stops
+    stall_timeout: float = 60.0  # seconds a shovel may fail (or keep starting) before the failback stops
 
 
 def public(plan: dict[str, Any]) -> dict[str, Any]:
@@ -589,12 +589,13 @@ async def _shovels(
                     emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
                 continue
             state = states.get((x["vhost"], name), {})
-            if state.get("state") == "terminated":
+            # terminated, or starting over and over (a destination that refuses the shovel's user)
+            if state.get("state") not in (None, "running"):
                 since = failing_since.setdefault(name, now)
                 if now - since > req.stall_timeout:
-                    reason = redact(str(state.get("reason", "terminated")))
+                    reason = redact(str(state.get("reason") or state["state"]))
                     raise OperationFailed(
-                        f"shovel for {x['vhost']}/{x['queue']} failing for {req.stall_timeout:.0f}s: {reason}; "
+                        f"shovel for {x['vhost']}/{x['queue']} not running for {req.stall_timeout:.0f}s: {reason}; "
                         "upstreams stay disabled (rerun to continue, or --abort)"
                     )
             else:
