@@ -528,6 +528,15 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
 
         result = await asyncio.to_thread(wait_for, evacuated, 120, "the evacuation to finish")
         await asyncio.sleep(1)
+        if kill_when == "held":  # a node stop that cannot revive the node keeps the evacuation, to stop again
+            cookie = tmp_path / "wrong.cookie"
+            cookie.write_text("not-the-cookie")
+            wrong = tmp_path / "wrong-cookie.yaml"
+            wrong.write_text(topology.read_text().replace(cluster.erlang.cookie_file.as_posix(), str(cookie)))  # type: ignore[union-attr]
+            failed = ferry("node", "stop", first.name, topology=wrong)
+            assert failed.returncode != 0 and "stays in maintenance mode" in failed.stderr, failed.stderr
+            assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+            assert evacuated(), "the failed stop dropped the evacuation"
     finally:
         stop.set()
         await publisher

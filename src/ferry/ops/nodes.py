@@ -637,9 +637,16 @@ class RabbitNodes(_Nodes):
                     proc.kill()
                 raise BrokerUnavailable(f"{tool} {args[0]} on {node}: no answer in {self.CLI_TIMEOUT:.0f}s") from None
         if proc.returncode:
-            text = (err or out).decode(errors="replace").strip().splitlines()
-            raise FerryError(f"{tool} {args[0]} on {node} failed: {text[-1] if text else proc.returncode}")
+            raise FerryError(f"{tool} {args[0]} on {node} failed: {_cli_reason((err or out).decode(errors='replace'))}")
         return out.decode(errors="replace")
+
+
+def _cli_reason(text: str) -> str:
+    """One line from an Erlang CLI tool's failure: its suggestion when it diagnosed the node (a
+    wrong cookie ends with the cookie's hash, which says nothing), else its last line."""
+    lines = [ln.strip(" *") for ln in text.strip().splitlines() if ln.strip()]
+    hint = next((ln.removeprefix("suggestion: ") for ln in lines if ln.startswith("suggestion: ")), "")
+    return hint or (lines[-1] if lines else "no output")
 
 
 def open_nodes(name: str, cluster: NatsCluster | RabbitCluster, avoid: list[str]) -> NatsNodes | RabbitNodes:

@@ -54,7 +54,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from ferry.errors import Conflict, NotFound, PreflightFailed, UsageError
+from ferry.errors import Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import Journal, ParamJournal, owner_alive
 from ferry.ops.nodes import STALE_AFTER, Asset, NatsNodes, NodeView, RabbitNodes, open_nodes
@@ -766,5 +766,12 @@ async def stop(topo: Topology, key_cluster: str, node: str | None) -> dict[str, 
             raise NotFound(f"no {'evacuation of ' + node if node else 'rebalance of ' + cname} is running")
         await journal.stop()
         if node and st.get("state") == "prohibiting":
-            await nodes.allow(node)
+            try:
+                await nodes.allow(node)
+            except FerryError as exc:  # e.g. a wrong Erlang cookie: keep the journal, so it can be stopped again
+                await journal.save(release=True, **st)
+                raise OperationFailed(
+                    f"{node} stays in maintenance mode and its evacuation is kept ({exc}); "
+                    f"run `ferry node stop {node}` again once that is fixed"
+                ) from None
     return {**_public(st), "outcome": "stopped"}
