@@ -36,7 +36,7 @@ class FerryError(Exception):
         self.message = redact(message)
         self.hint = redact(hint) if hint else hint
         self.fields = {k: v for k, v in fields.items() if v is not None}
-        super().__init__(message)
+        super().__init__(self.message)
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message

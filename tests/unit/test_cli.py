@@ -97,3 +97,35 @@ def test_no_module_defines_a_function_twice() -> None:
         if dups := [n for n, k in names.items() if k > 1]:
             twice[path.name] = dups
     assert twice == {}
+
+
+def test_ctrl_c_reaches_remote_spark_jobs_before_their_threads_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command whose Spark job runs in a thread (failback, the relay): on Ctrl-C, `run` interrupts
+    Spark Connect jobs at once; asyncio.run would first wait for the thread, i.e. the whole job."""
+    import asyncio
+    import os
+    import signal
+    import threading
+    import time
+
+    from ferry import cli
+
+    called: list[float] = []
+    monkeypatch.setattr(cli, "_interrupt_spark", lambda: called.append(time.monotonic()))
+    job_over = threading.Event()
+
+    def job() -> None:  # a remote job: it ends once interrupted (or after 10 s)
+        deadline = time.monotonic() + 10
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job_over.set()
+
+    async def command() -> None:
+        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+        await asyncio.to_thread(job)
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cli.run(command())
+    assert called and called[0] - t0 < 3, "the interrupt waited for the job"
+    assert job_over.is_set()

@@ -24,7 +24,7 @@ import httpx
 from pamqp import constants as _pamqp_constants
 
 from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
-from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
+from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
@@ -82,7 +82,7 @@ class Management:
                 return None
             raise NotFound(f"{self.name}: {method} {path}: not found")
         if r.status_code >= 400:
-            raise FerryError(f"{self.name}: {method} {path}: {r.status_code} {r.text.strip()[:300]}")
+            raise FerryError(f"{self.name}: {method} {path}: {r.status_code} {redact(r.text.strip())[:300]}")
         return r.json() if r.content else None
 
     async def get(self, path: str, **kwargs: Any) -> Any:

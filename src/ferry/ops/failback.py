@@ -556,7 +556,8 @@ async def _shovels(
     pending = [x for x in todo if _shovel_name(journal, x) not in active]
     empty_since: dict[str, float] = {}
     gone_since: dict[str, float] = {}
-    failing_since: dict[str, float] = {}
+    failing_since: dict[str, float] = {}  # a shovel seen not running, and no message moved since
+    left_before: dict[str, int] = {}
     created = requeued = 0
     last_emit = 0.0
     while pending or active:
@@ -574,7 +575,11 @@ async def _shovels(
         for name, x in list(active.items()):
             left, consumers = await counts.state(x["vhost"], x["queue"])
             ready[f"{x['vhost']}/{x['queue']}"] = left
-            if name not in present:  # it deleted itself: the length it saw at start has been moved
+            if left < left_before.get(name, left + 1):  # it moves messages
+                failing_since.pop(name, None)
+            left_before[name] = left
+            if name not in present:
+                failing_since.pop(name, None)  # it deleted itself: the length it saw at start has been moved
                 # until its consumer is gone it may hold unacked messages that come back when its
                 # channel closes (a CI run saw 0 ready, then 158); a foreign consumer is waited out
                 if consumers and now - gone_since.setdefault(name, now) < 10.0:
@@ -589,17 +594,16 @@ async def _shovels(
                     emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
                 continue
             state = states.get((x["vhost"], name), {})
-            # terminated, or starting over and over (a destination that refuses the shovel's user)
+            # terminated, or starting over and over (a destination that refuses the shovel's user);
+            # "running" in between does not count until a message moves
             if state.get("state") not in (None, "running"):
-                since = failing_since.setdefault(name, now)
-                if now - since > req.stall_timeout:
-                    reason = redact(str(state.get("reason") or state["state"]))
-                    raise OperationFailed(
-                        f"shovel for {x['vhost']}/{x['queue']} not running for {req.stall_timeout:.0f}s: {reason}; "
-                        "upstreams stay disabled (rerun to continue, or --abort)"
-                    )
-            else:
-                failing_since.pop(name, None)
+                failing_since.setdefault(name, now)
+            if now - failing_since.get(name, now) > req.stall_timeout:
+                reason = redact(str(state.get("reason") or state.get("state") or "not listed"))
+                raise OperationFailed(
+                    f"shovel for {x['vhost']}/{x['queue']} not running for {req.stall_timeout:.0f}s: {reason}; "
+                    "upstreams stay disabled (rerun to continue, or --abort)"
+                )
             # empty but still there: someone else consumed part of the queue, so the shovel waits
             # for messages that will not come; deleting it requeues any it still holds
             if left == 0 and now - empty_since.setdefault(name, now) > 5.0:

@@ -642,11 +642,14 @@ class RabbitNodes(_Nodes):
 
 
 def _cli_reason(text: str) -> str:
-    """One line from an Erlang CLI tool's failure: its suggestion when it diagnosed the node (a
-    wrong cookie ends with the cookie's hash, which says nothing), else its last line."""
+    """One line from an Erlang CLI tool's failure: its suggestion when it diagnosed the node, else
+    its error line, else its last line but the cookie's hash (which ends a failed diagnosis and
+    says nothing)."""
     lines = [ln.strip(" *") for ln in text.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("Erlang cookie hash")]
     hint = next((ln.removeprefix("suggestion: ") for ln in lines if ln.startswith("suggestion: ")), "")
-    return hint or (lines[-1] if lines else "no output")
+    error = next((ln for ln in lines if ln.startswith("Error")), "")
+    return hint or error or (lines[-1] if lines else "no output")
 
 
 def open_nodes(name: str, cluster: NatsCluster | RabbitCluster, avoid: list[str]) -> NatsNodes | RabbitNodes:

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ferry.brokers import nats as bnats
-from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError
+from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError, redact
 from ferry.ops.journal import Journal, owner_alive
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
@@ -443,8 +443,10 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
 async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
     """Without a relay reporting, the backlog keeps growing at the source: read it there now
     (``lag_at`` "now"), instead of showing the last relay's figures (left as they were, with
-    ``lag_at`` "last relay", when the source does not answer)."""
-    relayed = {s: int(p.get("relayed") or 0) for s, p in row["progress"].items()}
+    ``lag_at`` "last relay", when the source does not answer). A graceful stop's marker is the
+    exact position (the last progress report may be a second older)."""
+    marker = row.get("marker") or {}
+    relayed = {s: int(marker.get(s) or p.get("relayed") or 0) for s, p in row["progress"].items()}
     try:
         async with bnats.session(_cluster(topo, row["source"]), name=CONTROL, timeout=2) as nc:
             fresh = await _lags(nc, relayed)
@@ -734,7 +736,7 @@ async def _lags(nc: Any, relayed: dict[str, int]) -> dict[str, dict[str, Any]]:
 
 def _first_line(exc: Any) -> str:
     text = str(exc or "").strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__ if exc else "stopped"
+    return redact(text.splitlines()[0])[:300] if text else type(exc).__name__ if exc else "stopped"
 
 
 class Metrics:
@@ -816,8 +818,7 @@ async def failover(
     if rep.mapped:
         raise UsageError("site failover needs a replication without stream or subject mapping")
     if dry_run:
-        streams = sorted(state.get("progress") or {}) or await _streams(_cluster(topo, to), rep.streams, to)
-        found = await positions(topo, rep, streams)
+        found = await positions(topo, rep, await _failover_streams(topo, state, rep))
         return {
             "dry_run": True,
             "from": src,
@@ -828,10 +829,7 @@ async def failover(
         }
     stopped = await stop(topo, src, to, wait=10.0, force=True)
     emit("fenced", replication=f"{src} -> {to}", marker=stopped.get("marker"))
-    streams = sorted((stopped.get("progress") or {}) or (stopped.get("resumed_after") or {}))
-    if not streams:
-        streams = await _streams(_cluster(topo, to), rep.streams, to)
-    found = await positions(topo, rep, streams)
+    found = await positions(topo, rep, await _failover_streams(topo, stopped, rep))
     replicated = {s: h.last for s, h in found.items()}
     record = {
         "primary": to,
@@ -853,6 +851,12 @@ async def failover(
         result["reverse"] = await start(topo, Replication(to, src, rep.streams), keep_marker=False)
         emit("reverse", replication=f"{to} -> {src}")
     return result
+
+
+async def _failover_streams(topo: Topology, state: dict[str, Any], rep: Replication) -> list[str]:
+    """The streams a failover records: those the last relay reported on, else those at the destination."""
+    streams = sorted((state.get("progress") or {}) or (state.get("resumed_after") or {}))
+    return streams or await _streams(_cluster(topo, rep.dest), rep.streams, rep.dest)
 
 
 async def failback(

@@ -43,7 +43,7 @@ import pyarrow as pa
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.errors import ConfigError, FerryError, NotFound, UsageError
+from ferry.errors import ConfigError, FerryError, NotFound, UsageError, redact
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts
@@ -759,6 +759,6 @@ def spark_error(exc: Exception) -> FerryError:
         cls = getattr(errors, name.removeprefix("ferry.errors."), None) if name.startswith("ferry.errors.") else None
         if cls is not None:
             return cls(message)
-        return FerryError(f"a Spark task failed: {name.rsplit('.', 1)[-1]}: {message[:300]}")
+        return FerryError(f"a Spark task failed: {name.rsplit('.', 1)[-1]}: {redact(message)[:300]}")
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    return FerryError(f"Spark job failed: {first[:300]}")
+    return FerryError(f"Spark job failed: {redact(first)[:300]}")

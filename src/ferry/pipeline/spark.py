@@ -21,6 +21,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ def get_session(
     from pyspark.sql import SparkSession
 
     if master and remote:
-        raise ConfigError("give --spark-master or --spark-remote, not both")
+        raise ConfigError("give --spark-master or --spark-remote (or FERRY_SPARK_REMOTE), not both")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if remote:
@@ -183,12 +184,21 @@ def get_session(
     return spark
 
 
-def interrupt_remote() -> None:
+def interrupt_remote(timeout: float = 5.0) -> None:
     """Stop this process's jobs on Spark Connect servers. Ctrl-C ends the client; a job on the
-    server would otherwise run on to its end, unwatched (a local driver dies with the client)."""
-    for spark in _remote_sessions:
-        with contextlib.suppress(Exception):
-            spark.interruptAll()
+    server would otherwise run on to its end, unwatched (a local driver dies with the client).
+    Bounded: pyspark retries a server that does not answer for minutes."""
+
+    def interrupt() -> None:
+        for spark in _remote_sessions:
+            with contextlib.suppress(Exception):
+                spark.interruptAll()
+
+    if _remote_sessions:
+        t = threading.Thread(target=interrupt, daemon=True)
+        t.start()
+        with contextlib.suppress(BaseException):  # a second Ctrl-C: leave without waiting
+            t.join(timeout)
 
 
 def spark_log() -> Path:
