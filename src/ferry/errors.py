@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 _SECRETS = (
-    (re.compile(r"(//[^/\s:@'\"]*):[^@\s'\"]*@"), r"\1:***@"),  # scheme://user:password@host
+    (re.compile(r"(//[^/\s:@'\"]*):[^/@\s'\"]*@"), r"\1:***@"),  # scheme://user:password@host
     (re.compile(r"(\btoken=)[^;&\s'\"]+", re.IGNORECASE), r"\1***"),  # Spark Connect's ;token=...
 )
 
