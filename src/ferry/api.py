@@ -31,7 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ferry.brokers import nats as bnats
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.ops import rebalance as rb
-from ferry.ops.journal import Journal, ParamJournal, owner_alive
+from ferry.ops.journal import Journal, ParamJournal, owner_alive, running_here
 from ferry.ops.nodes import CONTROL, open_nodes
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
@@ -89,14 +89,18 @@ class Registry:
         """(cluster, key, state) of each operation to adopt: no driver of ours runs it, and its owner
         looks dead in a journal read of the last READ_FRESH seconds. A cluster's last known states
         age while its journal does not answer (the node being evacuated may be the one serve
-        reads through): its live owners' heartbeats would look stale."""
+        reads through): its live owners' heartbeats would look stale. An owner still running on
+        this host is never adopted, however late its heartbeat (CI saw a CLI evacuation's save take
+        longer than STALE_AFTER under load)."""
         now = time.monotonic()
         return [
             (cname, key, st)
             for cname, states in list(self.states.items())
             if now - self.read_at.get(cname, float("-inf")) < READ_FRESH
             for key, st in list(states.items())
-            if not ((task := self.drivers.get(key)) and not task.done()) and not owner_alive(st, rb.STALE_AFTER)
+            if not ((task := self.drivers.get(key)) and not task.done())
+            and not owner_alive(st, rb.STALE_AFTER)
+            and not running_here(st)
         ]
 
     def _resume(self, cname: str, st: dict[str, Any]) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,16 @@ async def _leftovers(topo: Topology) -> dict[str, Any]:
             "shovels": [p for p in await m.get("/parameters/shovel") if p["vhost"] in VHOSTS],
             "journal": await m.get("/global-parameters/ferry-failback", ok404=True),
         }
+
+
+async def _delete_shovel(topo: Topology, vhost: str, name: str, queue: str) -> None:
+    """Delete a shovel and wait until its queue has no consumer (its unacked messages are back)."""
+    async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
+        await m.delete(f"/parameters/shovel/{q(vhost)}/{q(name)}")
+        deadline = time.monotonic() + 30
+        while (await m.get(f"/queues/{q(vhost)}/{q(queue)}"))["consumers"]:
+            assert time.monotonic() < deadline, f"shovel {name} still consumes from {queue}"
+            await asyncio.sleep(0.2)
 
 
 @pytest.fixture
@@ -241,12 +252,21 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
         return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 9 * PER_QUEUE
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
-    # the broker keeps shovelling without ferry; the rerun adopts the shovels still running
-    assert asyncio.run(_leftovers(topo))["journal"]["value"]["phase"] == "transferring"
+    # the broker keeps shovelling without ferry; the rerun adopts the shovels still running. One
+    # shovel ends while ferry is down (deleted here): the messages it held unacked come back to its
+    # queue after they may have reached the target, so the rerun counts its queue as possible duplicates
+    left = asyncio.run(_leftovers(topo))
+    assert left["journal"]["value"]["phase"] == "transferring"
+    ended = left["shovels"][0]
+    queue = ended["value"]["src-queue"]
+    asyncio.run(_delete_shovel(topo, ended["vhost"], ended["name"], queue))
+    requeued = asyncio.run(queue_depth(topo, "ltm", ended["vhost"], queue))
+    assert requeued > 0
     result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["outcome"] == "complete" and report["total"]["left"] == 0
+    assert report["possible_duplicates"] >= requeued
     _assert_done(dr)
     assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
 

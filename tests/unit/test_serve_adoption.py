@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,25 @@ def test_only_a_fresh_read_of_a_dead_owner_is_adopted(registry: Registry) -> Non
     assert registry.orphans() == [("east", "evacuation.east.east-1", dead)]
     registry.read_at["east"] = time.monotonic() - READ_FRESH - 1  # the journal stopped answering
     assert registry.orphans() == []
+
+
+def test_an_owner_running_on_this_host_is_never_adopted(registry: Registry) -> None:
+    import subprocess
+
+    from ferry.ops.journal import _Owned
+
+    late = time.time() - 60  # a heartbeat long overdue
+    me = {"owner": _Owned.owner(), "heartbeat": late}
+    reused = {"owner": {**_Owned.owner(), "started": "1"}, "heartbeat": late}  # our pid, another process
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    exited = {"owner": {"host": socket.gethostname(), "pid": zombie.pid}, "heartbeat": time.time()}
+    registry.states["east"] = {"a": me, "b": reused, "c": exited}
+    registry.read_at["east"] = time.monotonic()
+    try:
+        assert [key for _, key, _ in registry.orphans()] == ["b", "c"]
+    finally:
+        zombie.wait()

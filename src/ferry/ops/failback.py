@@ -550,20 +550,30 @@ async def _shovels(
 ) -> dict[str, Any]:
     """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty.
 
-    `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress."""
+    `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress. The
+    journal keeps the shovels created and the possible duplicates, across runs: a shovel an
+    earlier run created that is gone with messages left ended while ferry was down, and the
+    messages it held unacked came back to the queue after they may have reached the target."""
     present = {p["name"] for p in await _ferry_shovels(sm, journal)}
     active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
     pending = [x for x in todo if _shovel_name(journal, x) not in active]
+    created_before = set(journal.setdefault("shovels", []))
+    journal.setdefault("possible_duplicates", 0)
+    journal["possible_duplicates"] += sum(
+        ready[f"{x['vhost']}/{x['queue']}"] for x in pending if _shovel_name(journal, x) in created_before
+    )
     empty_since: dict[str, float] = {}
     gone_since: dict[str, float] = {}
     failing_since: dict[str, float] = {}  # a shovel seen not running, and no message moved since
     left_before: dict[str, int] = {}
-    created = requeued = 0
+    created = 0
     last_emit = 0.0
     while pending or active:
         while pending and len(active) < req.max_active:
             x = pending.pop(0)
             name = _shovel_name(journal, x)
+            journal["shovels"] = sorted({*journal["shovels"], name})
+            await _write_journal(sm, journal)  # before the shovel exists
             await sm.put(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)})
             active[name] = x
             created += 1
@@ -589,7 +599,7 @@ async def _shovels(
                     # it stopped before its last source acks took effect (seen with quorum queues), or
                     # was deleted by hand: these may already be at the target, so count them
                     pending.append(x)
-                    requeued += left
+                    journal["possible_duplicates"] += left  # written before its shovel is created again
                 else:
                     emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
                 continue
@@ -614,7 +624,7 @@ async def _shovels(
             last_emit = now
             # only shovelled queues change (no upstream feeds them): the rest keep their last count
             progress(sum(ready.values()), active=len(active), pending=len(pending))
-    return {"shovels_created": created, "possible_duplicates": requeued}
+    return {"shovels_created": created, "possible_duplicates": journal["possible_duplicates"]}
 
 
 async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> list[dict[str, Any]]:

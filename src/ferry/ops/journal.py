@@ -4,7 +4,7 @@ Every operation (move, evacuation, rebalance) journals its state under one key:
 on NATS in the JetStream KV bucket ``ferry_ops`` (``Journal``), on RabbitMQ in a
 global parameter (``ParamJournal``). The owner (host, pid) refreshes a heartbeat
 with each save; another ferry may take the key over once the heartbeat is older
-than ``stale_after`` or the owner's pid is gone on this host. On NATS every save
+than ``stale_after`` or the owner's process is gone on this host. On NATS every save
 is a compare-and-set on the key's revision, so two drivers can never both
 believe they own it.
 """
@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -38,19 +39,47 @@ async def bucket(nc: Client, replicas: int) -> Any:
         return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5, replicas=replicas))
 
 
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, from /proc), so a reused pid is told
+    apart; None when it is gone or a zombie. Without /proc, "?" for any live pid."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+_STARTED = _process_start(os.getpid())
+
+
+def running_here(state: dict[str, Any]) -> bool:
+    """Whether the ferry that owns `state` is a process still running on this host."""
+    o = state.get("owner") or {}
+    if o.get("host") != socket.gethostname():
+        return False
+    try:
+        started = _process_start(int(o["pid"]))
+    except (KeyError, ValueError, TypeError):
+        return False
+    return started is not None and o.get("started", started) in (started, "?")
+
+
 def owner_alive(state: dict[str, Any], stale_after: float = 10.0) -> bool:
-    """Whether the ferry that owns `state` is alive: a fresh heartbeat, and its pid running if on this host."""
+    """Whether the ferry that owns `state` is alive: a fresh heartbeat, and its process running if on this host."""
     o = state.get("owner") or {}
     if not o or time.time() - state.get("heartbeat", 0) > stale_after:
         return False
-    if o.get("host") == socket.gethostname():
-        try:
-            os.kill(int(o["pid"]), 0)
-        except (ProcessLookupError, ValueError, KeyError):
-            return False
-        except PermissionError:
-            return True
-    return True
+    return o.get("host") != socket.gethostname() or running_here(state)
 
 
 class _Owned:
@@ -60,7 +89,7 @@ class _Owned:
 
     @staticmethod
     def owner() -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid()}
+        return {"host": socket.gethostname(), "pid": os.getpid(), "started": _STARTED}
 
     def owner_alive(self, state: dict[str, Any]) -> bool:
         return owner_alive(state, self.stale_after)
