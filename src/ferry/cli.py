@@ -1731,7 +1731,7 @@ def main() -> None:
     except Exception as exc:  # a Spark job's failure (from a task, or Spark's own): one line too
         if not type(exc).__module__.startswith(("pyspark", "py4j")):
             raise
-        from ferry.pipeline.copy import spark_error
+        from ferry.pipeline.spark import spark_error
 
         failure = spark_error(exc)
         err.print(f"[red]error:[/] {escape(str(failure))}", highlight=False)

@@ -29,7 +29,6 @@ import asyncio
 import base64
 import contextlib
 import fnmatch
-import re
 import shutil
 import threading
 import time
@@ -43,16 +42,16 @@ import pyarrow as pa
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.errors import ConfigError, FerryError, NotFound, UsageError, redact
+from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts
 from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
-from ferry.pipeline.spark import register
+from ferry.pipeline.spark import register, spark_error
 from ferry.pipeline.uris import Endpoint, parse_uri
 from ferry.topology import RabbitCluster, Topology
 
-__all__ = ["CopyOptions", "CopyPlan", "CopyReport", "plan_copy", "run_copy", "spark_error"]
+__all__ = ["CopyOptions", "CopyPlan", "CopyReport", "plan_copy", "run_copy"]
 
 _MOVE_SCHEMA = pa.schema(
     [("vhost", pa.string()), ("queue", pa.string())]
@@ -735,30 +734,3 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
         while not await asyncio.to_thread(stop.wait, 0.5):
             with contextlib.suppress(Exception):
                 progress(max(0, await count() - base))
-
-
-# -- errors from executors ----------------------------------------------------------------------
-
-
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$")
-
-
-def spark_error(exc: Exception) -> FerryError:
-    """An error raised in a Spark task reaches the driver as text: recover its one line."""
-    if isinstance(exc, FerryError):
-        return exc
-    from ferry import errors
-
-    found = None
-    for line in str(exc).splitlines():
-        match = _EXC_LINE.match(line.strip())
-        if match and not match.group(1).startswith(("org.apache", "java.", "py4j", "pyspark")):
-            found = match  # the last Python exception line is the root cause
-    if found:
-        name, message = found.group(1), found.group(2)
-        cls = getattr(errors, name.removeprefix("ferry.errors."), None) if name.startswith("ferry.errors.") else None
-        if cls is not None:
-            return cls(message)
-        return FerryError(f"a Spark task failed: {name.rsplit('.', 1)[-1]}: {redact(message)[:300]}")
-    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    return FerryError(f"Spark job failed: {redact(first)[:300]}")

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import socket
 import sys
@@ -27,9 +28,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, FerryError, redact
 
-__all__ = ["get_session", "register"]
+__all__ = ["get_session", "register", "spark_error"]
 
 _LOCAL_CONF = {
     "spark.ui.enabled": "false",
@@ -248,3 +249,27 @@ if __name__ == "__main__":  # `make setup`: write both class archives now rather
         if path is not None and not path.exists():
             code = f"from ferry.pipeline.spark import get_session; get_session(light_jvm={light}).range(1).count()"
             subprocess.run([sys.executable, "-c", code], check=True)
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$")
+
+
+def spark_error(exc: Exception) -> FerryError:
+    """An error raised in a Spark task reaches the driver as text: recover its one line."""
+    if isinstance(exc, FerryError):
+        return exc
+    from ferry import errors
+
+    found = None
+    for line in str(exc).splitlines():
+        match = _EXC_LINE.match(line.strip())
+        if match and not match.group(1).startswith(("org.apache", "java.", "py4j", "pyspark")):
+            found = match  # the last Python exception line is the root cause
+    if found:
+        name, message = found.group(1), found.group(2)
+        cls = getattr(errors, name.removeprefix("ferry.errors."), None) if name.startswith("ferry.errors.") else None
+        if cls is not None:
+            return cls(message)
+        return FerryError(f"a Spark task failed: {name.rsplit('.', 1)[-1]}: {redact(message)[:300]}")
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return FerryError(f"Spark job failed: {redact(first)[:300]}")
