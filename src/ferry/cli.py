@@ -752,7 +752,8 @@ def partition_check(
         for line in report["problems"]:
             err.print(f"problem: {line}", highlight=False)
         for x in report.get("unowned_traffic", []):
-            err.print(f"unowned: {x['subject']!r} ({x['messages']:,} messages) has no owner", highlight=False)
+            why = x.get("problem") or "has no owner"
+            err.print(f"unowned: {x['subject']!r} ({x['messages']:,} messages) {why}", highlight=False)
         if report["ok"]:
             out.print(
                 f"ok: map {pmap.name}: {report['partitions']} partitions, {report['patterns']} patterns, no overlap"

@@ -1,9 +1,10 @@
 """NATS subject algebra: validation, matching, exact overlap and cover, and a routing trie.
 
 A subject is dot-separated tokens. In a pattern, ``*`` matches exactly one
-token and ``>`` (last token only) one or more trailing tokens. ferry refuses
-``*`` or ``>`` mixed with other characters in a token (``foo*``): nats-server
-accepts such a token as a literal, but in an ownership map it is almost
+token and ``>`` (last token only) one or more trailing tokens. A token with
+``*`` or ``>`` among other characters (``foo*``) is a literal, as in
+nats-server: a stream may hold such subjects and a message may carry one. Only
+an ownership map refuses it (``problem(..., strict=True)``): there it is almost
 certainly a mistake, as NATS Streaming's partitioning also decided.
 
 ``overlaps(a, b)`` is exact: true if and only if some subject matches both
@@ -41,8 +42,9 @@ class SubjectError(UsageError):
     """An invalid subject or pattern, or a pattern where a literal subject is required."""
 
 
-def problem(subject: str, literal: bool = False) -> str | None:
-    """Why `subject` is not a valid pattern (or literal subject, if `literal`); None when it is."""
+def problem(subject: str, literal: bool = False, strict: bool = False) -> str | None:
+    """Why `subject` is not a valid pattern (or literal subject, if `literal`); None when it is.
+    `strict` also refuses a token that mixes a wildcard with other characters."""
     if not isinstance(subject, str) or subject == "":
         return "the subject is empty"
     shown = repr(subject)
@@ -57,7 +59,7 @@ def problem(subject: str, literal: bool = False) -> str | None:
     for i, t in enumerate(toks, 1):
         if t == "":
             return f"{shown} has an empty token {i} (two dots in a row)"
-        if t not in ("*", ">") and ("*" in t or ">" in t):
+        if strict and t not in ("*", ">") and ("*" in t or ">" in t):
             return f"{shown}: token {i} {t!r} mixes a wildcard with other characters ('*' and '>' must be whole tokens)"
         if t == ">" and i != len(toks):
             return f"{shown}: '>' must be the last token (it is token {i} of {len(toks)})"

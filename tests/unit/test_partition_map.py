@@ -20,13 +20,13 @@ def test_check_reports_every_problem_with_a_witness() -> None:
     m = pmap(
         "m",
         ("a", "A", ["orders.*", "foo*"]),
-        ("b", "B", ["*.eu", "audit.>"]),
+        ("b", "B", ["orders.eu", "audit.*", "audit.>"]),
         ("c", "A", ["ferry.stage.x"]),
         ("a", "C", ["x.>.y"]),
     )
     report = pt.check(m)
     assert not report["ok"]
-    assert [o["witness"] for o in report["overlaps"]] == ["orders.eu", "audit.eu"]  # the second within b
+    assert [o["witness"] for o in report["overlaps"]] == ["orders.eu", "audit.x"]  # the second within b
     problems = " | ".join(report["problems"])
     for expected in (
         "name 'a' is used by more than one partition",
@@ -36,6 +36,49 @@ def test_check_reports_every_problem_with_a_witness() -> None:
         "'>' must be the last token",
     ):
         assert expected in problems
+
+
+@pytest.mark.parametrize(
+    ("pattern", "refused"),
+    [
+        ("$JS.API.>", "overlaps '$JS.>', which JetStream keeps"),
+        ("$JSC.x", "overlaps '$JSC.>', which JetStream keeps"),
+        ("$NRG.>", "overlaps '$NRG.>', which JetStream keeps"),
+        ("$SYS.REQ.x", "overlaps '$SYS.>', which JetStream keeps"),
+        (">", "which ferry reserves"),
+        ("*.eu", "overlaps '$JS.>', which JetStream keeps"),  # nats-server 2.11+ refuses it (measured on 2.15.1)
+        ("$JS.EVENT.x", None),
+        ("$SYS.ACCOUNT.>", None),
+        ("$KV.x", None),
+    ],
+)
+def test_check_refuses_what_jetstream_keeps_for_its_api(pattern: str, refused: str | None) -> None:
+    report = pt.check(pmap("m", ("a", "A", [pattern])))
+    if refused is None:
+        assert report["ok"], report["problems"]
+    else:
+        (problem,) = report["problems"]
+        assert refused in problem
+
+
+def test_check_refuses_stream_names_the_server_would() -> None:
+    for name in ("P\nX", "P\rX", "P\fX", "x" * 256):
+        (problem,) = pt.check(pmap("m", ("a", name, ["a"])))["problems"]
+        assert "may not contain" in problem
+    assert pt.check(pmap("m", ("a", "x" * 255, ["a"])))["ok"]
+
+
+def test_the_same_partition_is_told_by_its_place_not_its_name() -> None:
+    report = pt.check(pmap("m", ("eu", "A", ["x.>"]), ("eu", "B", ["x.a"]), ("us", "C", ["y.>", "y.a"])))
+    assert [o["same_partition"] for o in report["overlaps"]] == [False, True]
+    assert sum("(the same partition" in p for p in report["problems"]) == 1
+
+
+def test_a_subject_with_a_wildcard_inside_a_token_is_a_literal() -> None:
+    m = pmap("m", ("eu", "EU", ["shop.eu.>"]))
+    rows = pt.route([m], ["shop.eu.v2*", "shop.eu.a>b", "shop.*x"])
+    assert [r.get("owner") for r in rows] == ["eu", "eu", None]
+    assert rows[2]["error"] == "no partition owns 'shop.*x'"
 
 
 def test_route_by_map_and_unowned() -> None:

@@ -62,12 +62,16 @@ from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, ConfigError, Conflict, OperationFailed, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops import move as mv
-from ferry.subjects import SubjectError, SubjectIndex, overlap_witness, problem
+from ferry.subjects import SubjectError, SubjectIndex, covers, overlap_witness, problem
 from ferry.topology import Topology
 
 __all__ = ["PartitionMap", "apply", "check", "load_map", "plan", "read_claims", "route", "unowned_traffic"]
 
 RESERVED = ("ferry.stage.>", "ferry.retired.>")
+# JetStream refuses a stream (without no-ack) whose subjects overlap its API or the system's,
+# except under these (server/stream.go, checkStreamCfg)
+SERVER_RESERVED = {"$JS.>": "$JS.EVENT.>", "$JSC.>": None, "$NRG.>": None, "$SYS.>": "$SYS.ACCOUNT.>"}
+MAX_NAME = 255  # JSMaxNameLen
 BUCKET = "ferry_partitions"
 KEY = "claims"
 
@@ -92,7 +96,9 @@ class PartitionMap(BaseModel):
     partitions: list[Partition] = Field(min_length=1)
 
     def index(self) -> SubjectIndex[tuple[Partition, str]]:
-        return SubjectIndex((p, (part, p)) for part in self.partitions for p in part.patterns if not problem(p))
+        return SubjectIndex(
+            (p, (part, p)) for part in self.partitions for p in part.patterns if not problem(p, strict=True)
+        )
 
 
 def load_map(path: Path) -> PartitionMap:
@@ -126,40 +132,33 @@ def check(pmap: PartitionMap) -> dict[str, Any]:
                 problems.append(f"{what} {value!r} is used by more than one partition")
             seen.add(value)
     for part in pmap.partitions:
-        if any(c in part.stream for c in " .*>\t/\\"):
+        if any(c in part.stream for c in " \t\r\n\f.*>/\\") or len(part.stream) > MAX_NAME:
             problems.append(
-                f"partition {part.name!r}: stream name {part.stream!r} may not contain . * > / \\ or spaces"
+                f"partition {part.name!r}: stream name {part.stream!r} may not contain . * > / \\ or "
+                f"whitespace, nor be longer than {MAX_NAME} characters"
             )
-    index: SubjectIndex[tuple[str, str]] = SubjectIndex()
-    for part in pmap.partitions:
+    index: SubjectIndex[tuple[int, str, str]] = SubjectIndex()
+    for i, part in enumerate(pmap.partitions):
         for pattern in part.patterns:
-            why = problem(pattern)
+            why = problem(pattern, strict=True) or _reserved(pattern)
             if why:
                 invalid.append({"partition": part.name, "pattern": pattern, "problem": why})
                 continue
-            if any(overlap_witness(pattern, r) for r in RESERVED):
-                invalid.append(
-                    {
-                        "partition": part.name,
-                        "pattern": pattern,
-                        "problem": f"{pattern!r} overlaps {RESERVED}, which ferry reserves for staging a repartition",
-                    }
-                )
-                continue
-            for other, q in index.overlapping(pattern):
+            for j, other, q in index.overlapping(pattern):
                 overlaps.append(
                     {
                         "a": {"partition": other, "pattern": q},
                         "b": {"partition": part.name, "pattern": pattern},
                         "witness": overlap_witness(q, pattern),
+                        "same_partition": i == j,
                     }
                 )
-            index.insert(pattern, (part.name, pattern))
+            index.insert(pattern, (i, part.name, pattern))
     problems += [f"partition {x['partition']!r}: {x['problem']}" for x in invalid]
     problems += [
         f"partition {o['a']['partition']!r} {o['a']['pattern']!r} overlaps "
         f"partition {o['b']['partition']!r} {o['b']['pattern']!r}"
-        + (" (the same partition; JetStream refuses overlapping subjects in one stream)" if _same(o) else "")
+        + (" (the same partition; JetStream refuses overlapping subjects in one stream)" if o["same_partition"] else "")
         + f": both own {o['witness']!r}"
         for o in overlaps
     ]
@@ -174,8 +173,17 @@ def check(pmap: PartitionMap) -> dict[str, Any]:
     }
 
 
-def _same(o: dict[str, Any]) -> bool:
-    return o["a"]["partition"] == o["b"]["partition"]
+def _reserved(pattern: str) -> str | None:
+    """Why a valid pattern may not be a partition's: subjects ferry or JetStream reserve."""
+    if any(overlap_witness(pattern, r) for r in RESERVED):
+        return f"{pattern!r} overlaps {RESERVED}, which ferry reserves for staging a repartition"
+    for namespace, allowed in SERVER_RESERVED.items():
+        if overlap_witness(pattern, namespace) and not (allowed and covers(allowed, pattern)):
+            return (
+                f"{pattern!r} overlaps {namespace!r}, which JetStream keeps for its API "
+                "(nats-server 2.11+ refuses a stream that captures it)"
+            )
+    return None
 
 
 def _require_valid(pmap: PartitionMap) -> None:
@@ -214,7 +222,11 @@ def unowned_traffic(pmap: PartitionMap, snapshot: Path) -> list[dict[str, Any]]:
 def route(owners: list[PartitionMap], subjects: list[str]) -> list[dict[str, Any]]:
     """The owning partition of each literal subject (an error entry for a wildcard or invalid one)."""
     index: SubjectIndex[tuple[str, Partition]] = SubjectIndex(
-        (p, (m.name, part)) for m in owners for part in m.partitions for p in part.patterns if not problem(p)
+        (p, (m.name, part))
+        for m in owners
+        for part in m.partitions
+        for p in part.patterns
+        if not problem(p, strict=True)
     )
     out = []
     for s in subjects:
@@ -414,7 +426,7 @@ async def plan(nc: Client, pmap: PartitionMap, record: dict[str, Any]) -> dict[s
         if name in ours or name in claimed_elsewhere:
             continue
         for subj in s["config"].get("subjects") or []:
-            if problem(subj):
+            if problem(subj):  # the server would not have taken it
                 continue
             for part, p in index.overlapping(subj):
                 refusals.append(
