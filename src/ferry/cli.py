@@ -1730,6 +1730,10 @@ def main() -> None:
     except KeyboardInterrupt:
         _interrupted()
     except Exception as exc:  # a Spark job's failure (from a task, or Spark's own): one line too
+        if type(exc).__module__.startswith("nats."):  # a broker's answer no command turned into a FerryError
+            text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+            err.print(f"[red]error:[/] {escape(redact(text.splitlines()[0]))}", highlight=False)
+            sys.exit(1)
         if not type(exc).__module__.startswith(("pyspark", "py4j")):
             raise
         from ferry.pipeline.spark import spark_error

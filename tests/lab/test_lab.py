@@ -19,6 +19,7 @@ from ferry.lab import nats as lab_nats
 from ferry.lab.procs import group_members
 from ferry.ops import smoke
 from tests.conftest import profile_topology
+from tests.helpers import ferry
 
 pytestmark = pytest.mark.lab
 
@@ -71,6 +72,17 @@ async def test_sites_are_independent(sites: lab.LabState) -> None:
         assert httpx.get(f"{mon}/routez").json()["num_routes"] == 0
     result = await smoke.nats_smoke(topo, "nyc", "nyc", count=500, replicas=1)
     assert result["read_back"] == 500
+
+
+def test_a_stream_the_server_refuses_is_one_line(sites: lab.LabState) -> None:
+    topology = sites.path / "topology.yaml"
+    args = ("stream", "add", "SINGLE", "--cluster", "nyc", "--subject", "single.>")
+    refused = ferry(*args, topology=topology)  # R3 by default, on a server of no cluster
+    assert refused.returncode == 2  # a configuration the server refuses
+    assert refused.stderr.strip() == "error: stream 'SINGLE': replicas > 1 not supported in non-clustered mode"
+    made = ferry(*args, "--replicas", "1", "--json", topology=topology, check=True)
+    assert json.loads(made.stdout)["replicas"] == 1
+    ferry("stream", "rm", "SINGLE", "--cluster", "nyc", "--yes", topology=topology, check=True)
 
 
 async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabState) -> None:

@@ -178,7 +178,7 @@ async def stream_add(
 ) -> dict:
     """Create a stream (placed in `placement` / on `tags`); refuses one that exists."""
     from nats.js.api import Placement, StreamConfig
-    from nats.js.errors import BadRequestError
+    from nats.js.errors import APIError
 
     from ferry.errors import Conflict
 
@@ -198,8 +198,8 @@ async def stream_add(
             pass
         try:
             info = await jsm.add_stream(config)
-        except BadRequestError as exc:
-            raise ConfigError(f"stream {name!r}: {exc.description}") from None
+        except APIError as exc:  # refused: bad config, replicas on a server without a cluster...
+            raise ConfigError(f"stream {name!r}: {exc.description or exc}") from None
     return _stream_summary(info)
 
 
