@@ -1278,11 +1278,11 @@ def cluster_rebalance(
     cluster: Annotated[str, typer.Argument(help="The NATS or RabbitMQ cluster.")],
     nodes: Annotated[str | None, typer.Option(help="Participating nodes (comma list; default: all).")] = None,
     abs_conn_threshold: Annotated[
-        float, typer.Option(min=0, help="Balanced if avg(donor) < avg(recipient) + this.")
+        float, typer.Option(min=1, help="Balanced if avg(donor) < avg(recipient) + this.")
     ] = 1000,
     rel_conn_threshold: Annotated[float, typer.Option(help="... or avg(donor) < avg(recipient) * this (> 1).")] = 1.1,
     abs_sess_threshold: Annotated[
-        float, typer.Option(min=0, help="The same for leaders (JetStream, quorum queues).")
+        float, typer.Option(min=1, help="The same for leaders (JetStream, quorum queues).")
     ] = 1000,
     rel_sess_threshold: Annotated[float, typer.Option(help="The same for leaders (> 1).")] = 1.1,
     wait_health_check: WaitHealthOpt = 60.0,

@@ -458,7 +458,7 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     assert a["sent"] > 0 and a["lost"] == 0, a
 
 
-@pytest.mark.parametrize("kill_when", ["held", "redeclared"])
+@pytest.mark.parametrize("kill_when", ["held", "redeclared", "stopped"])
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
     rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str
 ) -> None:
@@ -466,7 +466,8 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     bindings and every message, including those routed to it while it moved; killing ferry
     while the messages are in the holding queue (and the queue still on the node, or already
     declared on another: CI saw that relocation left unfinished) and running it again
-    finishes the relocation."""
+    finishes the relocation. `ferry node stop` while the messages are in the holding queue lets
+    the evacuation finish that queue's relocation before it ends."""
 
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
@@ -517,16 +518,31 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
                 return bool(h and now and now["node"] != first.node)
             return bool(h and h.get("messages", 0) > 0)
 
-        await asyncio.to_thread(ferry_killed_when, midway, *args_cli, topology=topology, timeout=180)
-        r = await asyncio.to_thread(ferry, *args_cli, topology=topology)  # resumes it, unless `ferry serve`
-        adopted = ("already running", "was taken over by another ferry")  # serve adopted it first, or at once
-        assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
-
         def evacuated() -> dict[str, Any] | None:
             st = json.loads(ferry("node", "status", first.name, "--json", topology=topology, check=True).stdout)[0]
             return st if st["state"] == "prohibiting" else None
 
-        result = await asyncio.to_thread(wait_for, evacuated, 120, "the evacuation to finish")
+        if kill_when == "stopped":
+            env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+            proc = subprocess.Popen(
+                [*FERRY, *args_cli], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            try:
+                await asyncio.to_thread(wait_for, midway, 120, "messages in the holding queue")
+                await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology, check=True)
+                out, err = await asyncio.to_thread(proc.communicate, timeout=120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            assert proc.returncode == 0 and json.loads(out)["outcome"] == "stopped", err[-3000:]
+            assert "finishing the move in hand first" in err, err[-3000:]
+        else:
+            await asyncio.to_thread(ferry_killed_when, midway, *args_cli, topology=topology, timeout=180)
+            r = await asyncio.to_thread(ferry, *args_cli, topology=topology)  # resumes it, unless `ferry serve`
+            adopted = ("already running", "was taken over by another ferry")  # serve adopted it first, or at once
+            assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
+            result = await asyncio.to_thread(wait_for, evacuated, 120, "the evacuation to finish")
         await asyncio.sleep(1)
         if kill_when == "held":  # a node stop that cannot revive the node keeps the evacuation, to stop again
             cookie = tmp_path / "wrong.cookie"
@@ -546,10 +562,10 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     assert await info(held) is None
     bindings = await m.get(f"/queues/%2F/{name}/bindings")
     assert {(b["source"], b["routing_key"]) for b in bindings if b["source"]} == {("reloc.x", kill_when)}
-    label = Asset("/", name, None, "", []).label
-    assert {"queue": label, "to": next(b.name for b in cluster.brokers if b.node == moved["node"])} in result[
-        "relocated"
-    ]
+    if kill_when != "stopped":
+        label = Asset("/", name, None, "", []).label
+        to = next(b.name for b in cluster.brokers if b.node == moved["node"])
+        assert {"queue": label, "to": to} in result["relocated"]
     await m.aclose()
 
     got: list[str] = []

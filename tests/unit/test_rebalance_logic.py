@@ -56,9 +56,21 @@ def test_pacer_holds_the_rate() -> None:
     assert p.take(1000) == 0
 
 
+def test_pacer_keeps_no_more_than_a_second_of_unused_allowance() -> None:
+    p = Pacer(20)
+    assert p.take(1000) == 1
+    time.sleep(0.6)  # a node restarting: nothing to take meanwhile
+    assert p.take(0) == 0
+    time.sleep(0.9)  # 1.5 s idle in all: a second's worth (20), not 30
+    assert p.take(1000) == 20
+    assert p.take(1000) == 0
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(pydantic.ValidationError, match="must be > 1"):
         RebalanceRequest(cluster="east", rel_conn_threshold=1.0)
+    with pytest.raises(pydantic.ValidationError, match="greater than or equal to 1"):
+        RebalanceRequest(cluster="east", abs_conn_threshold=0)  # never within: the donors would answer 503 for good
     with pytest.raises(pydantic.ValidationError):
         EvacuateRequest(node="n", conn_evict_rate=-1)
     with pytest.raises(pydantic.ValidationError, match="MQTT 5"):

@@ -479,13 +479,20 @@ class RabbitNodes(_Nodes):
         return ["" if r.startswith("{migrated") else r for r in results]
 
     async def relocate(
-        self, moves: list[tuple[Asset, str]], emit: Callable[..., None], rate: float | None = None
+        self,
+        moves: list[tuple[Asset, str]],
+        emit: Callable[..., None],
+        rate: float | None = None,
+        halt: asyncio.Event | None = None,
     ) -> list[str]:
         """Relocate classic queues (each to its target node; see the module docstring), their
-        messages moved at `rate` per second (None: unpaced): the error per queue, "" when it now
-        lives on its target."""
+        messages moved at `rate` per second (None: unpaced), one after the other until `halt` is
+        set: the error per queue, "" when it now lives on its target."""
         results = []
         for a, target in moves:
+            if halt and halt.is_set():
+                results.append("stopped")
+                continue
             try:
                 moved = await self._relocate(a, target, rate)
             except FerryError as exc:

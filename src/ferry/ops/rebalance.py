@@ -121,19 +121,22 @@ def propose(counts: dict[str, int], abs_threshold: float, rel_threshold: float) 
 
 
 class Pacer:
-    """At most `rate` actions per second since `start`, the first one at once."""
+    """At most `rate` actions per second, the first one at once. Allowance left unused (say while
+    the node restarts) is kept for one second at most, as EMQX evicts at most `rate` per second."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.restart()
 
     def restart(self) -> None:
-        self.t0, self.done = time.monotonic(), 0
+        self.at, self.allowance = time.monotonic(), 1.0
 
     def take(self, wanted: int) -> int:
-        allowed = 1 + int(self.rate * (time.monotonic() - self.t0)) - self.done
-        n = max(0, min(wanted, allowed))
-        self.done += n
+        now = time.monotonic()
+        self.allowance = min(max(1.0, self.rate), self.allowance + self.rate * (now - self.at))
+        self.at = now
+        n = max(0, min(wanted, int(self.allowance)))
+        self.allowance -= n
         return n
 
 
@@ -169,9 +172,9 @@ class EvacuateRequest(Rates):
 class RebalanceRequest(Rates):
     cluster: str
     nodes: list[str] = []
-    abs_conn_threshold: float = Field(1000, ge=0)
+    abs_conn_threshold: float = Field(1000, ge=1)
     rel_conn_threshold: float = 1.1
-    abs_sess_threshold: float = Field(1000, ge=0)
+    abs_sess_threshold: float = Field(1000, ge=1)
     rel_sess_threshold: float = 1.1
     execute: bool = False
 
@@ -270,6 +273,10 @@ class _Driver:
             return None, {**_public(self.st), "outcome": "detached"}
         return result, None
 
+    def recent(self, key: str) -> bool:
+        """Acted on within RETRY_AFTER seconds."""
+        return time.monotonic() - self.tried.get(key, -RETRY_AFTER) < RETRY_AFTER
+
     def fresh(self, key: str) -> bool:
         """Not acted on within RETRY_AFTER seconds (then mark it acted on)."""
         now = time.monotonic()
@@ -278,12 +285,24 @@ class _Driver:
         self.tried[key] = now
         return True
 
-    async def while_saving(self, work: Coroutine[Any, Any, Any]) -> Any:
-        """Await `work`, saving the heartbeat every second meanwhile."""
+    async def while_saving(self, work: Coroutine[Any, Any, Any], halt: asyncio.Event | None = None) -> Any:
+        """Await `work`, saving the heartbeat every second meanwhile. Stopped, taken over or
+        interrupted meanwhile, `halt` tells the work to start nothing new, and what it has in hand
+        finishes first (a classic queue half relocated holds its messages in a holding queue, a
+        one-replica stream being moved has two)."""
         task = asyncio.ensure_future(work)
-        while not task.done():
-            await self.save()
-            await asyncio.wait({task}, timeout=1.0)
+        try:
+            while not task.done():
+                await self.save()
+                await asyncio.wait({task}, timeout=1.0)
+        except BaseException:
+            if halt:
+                halt.set()
+            if not task.done():
+                self.emit("warning", message="stopping: finishing the move in hand first")
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
+            raise
         return task.result()
 
     async def wait_until(self, deadline: float) -> None:
@@ -392,6 +411,9 @@ async def _evacuation_plan(nodes: Nodes, journal: AnyJournal, cname: str, req: E
 
 async def _run_evacuation(d: _Driver, hold: bool) -> dict[str, Any]:
     _, ended = await d.run(_evacuation_steps(d, hold))
+    if ended and ended["outcome"] == "stopped" and d.st.get("state") == "prohibiting":
+        # stopped while this ferry put the node in maintenance: `stop` may have revived it before the drain ended
+        await d.nodes.allow(d.st["node"])
     if ended:
         return ended
     v = await d.nodes.view(d.st["node"])
@@ -431,9 +453,9 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
                 await d.enter("evicting_sessions")
         elif state == "evicting_sessions":
             if await _evict_sessions(d, sess_pacer):
+                await d.enter("prohibiting")  # first: a stop from now on returns the node to service
                 await nodes.prohibit(node)
                 prohibited = True
-                await d.enter("prohibiting")
                 if not hold:
                     await d.journal.save(release=True)
                     break
@@ -545,7 +567,8 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
     if not moves:
         return 0
     await journal()
-    errors = await d.while_saving(nodes.relocate(moves, d.emit, d.st["rates"].get("relocate_rate")))
+    halt = asyncio.Event()
+    errors = await d.while_saving(nodes.relocate(moves, d.emit, d.st["rates"].get("relocate_rate"), halt), halt)
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
             d.emit("warning", message=f"{a.label}: relocation to {target} failed: {err}")
@@ -676,6 +699,9 @@ async def _rebalance_steps(d: _Driver) -> str:
         )
         count = (lambda v: len(v.conns)) if conns else (lambda v: len(v.leaders))
         counts = {n: count(v) for n, v in views.items()}
+        # a node's listing lags (RabbitMQ's by up to a statistics interval): clients kicked a moment
+        # ago may still be listed; they are on their way, so they count as given up already
+        left = {n: sum(1 for c in v.conns if not d.recent(f"cid:{n}:{c['cid']}")) for n, v in views.items()}
         goal = avg([counts[r] for r in recipients])
         abs_t, rel_t = (
             (th["abs_conn_threshold"], th["rel_conn_threshold"])
@@ -700,8 +726,10 @@ async def _rebalance_steps(d: _Driver) -> str:
             outcome = "balanced as far as possible (the recipients hold their share)"
             break
         for dn in sorted(over, key=counts.__getitem__, reverse=True):
-            excess = min(room, max(1, math.ceil(counts[dn] - level)))  # moving to `goal` would overshoot
-            room -= excess
+            if conns and left[dn] <= level:
+                continue  # what it still lists above the level was kicked a moment ago
+            excess = min(room, max(1, math.ceil((left[dn] if conns else counts[dn]) - level)))
+            room -= excess  # (moving to `goal` would overshoot)
             if not excess:
                 break
             if conns:
