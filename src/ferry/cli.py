@@ -1217,6 +1217,13 @@ def _print_evacuation(r: dict[str, Any]) -> None:
         f"{ev.get('replicas', 0):,}",
     )
     out.print(table)
+    out.print(
+        "moved by ferry: leaders stepped down (or classic queues relocated), replicas moved off (a peer-remove, "
+        "or a one-replica stream with its leader); other leaders left with their replicas, and followers with "
+        "no spare server to go to stay (kept)",
+        style="dim",
+        highlight=False,
+    )
     out.print(f"recipients: {', '.join(r['recipients'])}", highlight=False)
     if r.get("relocated"):
         moves = ", ".join(f"{x['queue']} -> {x['to']}" for x in r["relocated"])
@@ -1242,7 +1249,7 @@ def node_status_cmd(
         print_json(rows)
         return
     if not rows:
-        out.print("no evacuation is running")
+        out.print(f"no evacuation of {node} on record: it is in service" if node else "no evacuation is running")
     for r in rows:
         _print_evacuation(r)
         driver = r.get("driven_by")

@@ -229,6 +229,9 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
     assert a["sent"] > 0 and a["lost"] == 0 and a["extra_copies"] == 0, a
 
     ferry("node", "stop", "east-1", topology=topology, check=True)
+    assert json.loads(ferry("node", "status", "east-1", "--json", topology=topology, check=True).stdout) == []
+    said = ferry("node", "status", "east-1", topology=topology, check=True).stdout
+    assert said.strip() == "no evacuation of east-1 on record: it is in service"
     wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-1").status_code == 200, 5, "200")
     wait_for(lambda: haproxy_up(supercluster)["east-1"], 10, "HAProxy to take east-1 back")
 
@@ -353,6 +356,7 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         (["node", "evacuate", "east-1", "--conn-evict-rate", "-5"], "--conn-evict-rate"),
         (["node", "evacuate", "east-1", "--migrate-to", "east-1"], "cannot include"),
         (["node", "stop", "east-3"], "no evacuation of east-3"),
+        (["node", "status", "east-9"], "no node 'east-9'"),
     ]:
         r = ferry(*args, topology=topology)
         assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)
@@ -365,7 +369,7 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
 
         def status() -> dict[str, Any]:
             r = ferry("node", "status", "east-3", "--json", topology=topology)
-            return json.loads(r.stdout)[0] if r.returncode == 0 else {}
+            return next(iter(json.loads(r.stdout)), {}) if r.returncode == 0 else {}
 
         before = wait_for(lambda: (st := status()).get("driven_by") and st, 30, "the CLI's evacuation")
         assert before["driven_by"]["pid"] == cli.pid and before["state"] == "waiting_health_check", before
@@ -519,8 +523,8 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
             return bool(h and h.get("messages", 0) > 0)
 
         def evacuated() -> dict[str, Any] | None:
-            st = json.loads(ferry("node", "status", first.name, "--json", topology=topology, check=True).stdout)[0]
-            return st if st["state"] == "prohibiting" else None
+            rows = json.loads(ferry("node", "status", first.name, "--json", topology=topology, check=True).stdout)
+            return rows[0] if rows and rows[0]["state"] == "prohibiting" else None
 
         if kill_when == "stopped":
             env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
