@@ -8,6 +8,7 @@ RATE="${FERRY_DEMO_RATE:-3500}"
 rm -rf "$OUT" && mkdir -p "$OUT"
 export FERRY_STATE_DIR="$OUT/state"
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*" >&2; "$@"; }
+step_to() { local file=$1; shift; printf '\n\033[1m$ %s > %s\033[0m\n' "$*" "$file" >&2; "$@" > "$file"; }
 
 step ferry lab up supercluster
 trap 'step ferry lab down' EXIT
@@ -25,9 +26,8 @@ sleep 4
 step ferry move ORDERS --to west
 wait "$CORE" "$JS"
 
-step ferry move --status ORDERS --json > "$OUT/move.json"
-step ferry audit --ledger "$OUT/ledger" --tier west=jetstream://west/ORDERS --html "$OUT/audit.html" --json \
-     > "$OUT/audit.json"
+step_to "$OUT/move.json" ferry move --status ORDERS --json
+step_to "$OUT/audit.json" ferry audit --ledger "$OUT/ledger" --tier west=jetstream://west/ORDERS --html "$OUT/audit.html" --json
 python - "$OUT/move.json" "$OUT/audit.json" <<'PY'
 import json, sys
 move = json.load(open(sys.argv[1]))["result"]

@@ -257,7 +257,7 @@ def _print_stream(info: dict[str, Any], as_json: bool) -> None:
         return
     out.print(
         f"stream {info['name']} ({', '.join(info['subjects'] or [])}): R{info['replicas']} in "
-        f"{info['cluster'] or 'a server of no cluster'}, leader {info['leader'] or '-'}, "
+        f"{info['cluster'] or 'a standalone server'}, leader {info['leader'] or '-'}, "
         f"peers {', '.join(info['peers']) or '-'}; "
         f"{info['messages']:,} messages, seq {info['first_seq']}..{info['last_seq']}"
     )
@@ -349,11 +349,12 @@ def copy_cmd(
 def _print_plan(plan: dict[str, Any]) -> None:
     out.print(
         f"[bold]{plan['source']}[/] -> [bold]{plan['destination']}[/]: {plan['messages']:,} messages "
-        f"({plan['bytes'] / 1e6:.1f} MB of payload), engine {plan['engine']}, mode {plan['mode']}"
+        f"({plan['bytes'] / 1e6:.1f} MB of payload), engine {plan['engine']}"
+        + ("" if plan["queues"] else f", mode {plan['mode']}")  # queues move one task each, in no other mode
     )
     for x in plan["queues"]:
         out.print(
-            f"  queue {x['vhost']}/{x['queue']}: {x['ready']:,} ready"
+            f"  queue {x['queue']} (vhost {x['vhost']}): {x['ready']:,} ready"
             + (f" -> {x['target']}" if x.get("target") else "")
         )
     for note in plan["notes"]:
@@ -472,6 +473,10 @@ def move_cmd(
     results = run(go())
     if as_json:
         print_json(results if streams else results[0])
+    else:
+        for r in results:
+            if r.get("outcome") == "dry-run":
+                out.print(f"{r['stream']}: preflight passed; nothing changed (dry run)", highlight=False)
     failed = [r for r in results if r.get("outcome") not in ("moved", "dry-run", "already there")]
     failed += [r for r in results if r.get("verify") and not r["verify"]["ok"]]
     if failed:
@@ -532,7 +537,8 @@ def _print_event(event: str, **data: Any) -> None:
         )
     else:
         line = _event_line(event, {k: v for k, v in data.items() if k != "stream"})
-    err.print(who + line, highlight=False)
+    # the plan and the outcome are the command's result (stdout); the rest is progress (stderr)
+    (out if event in ("plan", "done") else err).print(who + line, highlight=False)
 
 
 def _event_line(event: str, data: dict[str, Any]) -> str:
@@ -673,6 +679,10 @@ def failback_cmd(
     if report["outcome"] == "dry-run":
         return
     table = Table("vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after")
+    table.caption = "upstream queues: " + ", ".join(
+        f"{u['queue']} via {u['upstream']} {_count(u['before'])} -> {_count(u['after'])}"
+        for u in report["upstream_queues"]
+    )
     for r in report["queues"]:
         table.add_row(
             r["vhost"],
@@ -689,14 +699,22 @@ def failback_cmd(
     out.print(
         f"{report['outcome']}: moved {t['moved']:,} of {t['before']:,}, left {t['left']:,}; "
         f"upstreams restored identical: {sum(u['identical'] for u in report['upstreams_restored'])}"
-        f"/{len(report['upstreams_restored'])}; pulled from upstream: {report['upstream_pulled']:,}; "
-        f"shovels removed: {report['shovels_deleted']}"
+        f"/{len(report['upstreams_restored'])}; pulled from upstream: {report['upstream_pulled']:,}"
+        + (f"; leftover shovels removed: {report['shovels_deleted']}" if report["shovels_deleted"] else "")
     )
     if report["possible_duplicates"]:
         out.print(
             f"[yellow]{report['possible_duplicates']:,} messages were redelivered after an interrupted run and may "
             "be duplicates (they carry x-ferry-transfer; `ferry audit` counts them)[/]"
         )
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
+
+
+def _per_stream(seqs: dict[str, int]) -> str:
+    return ", ".join(f"{s} {n:,}" for s, n in seqs.items()) or "none"
 
 
 def _print_failback_plan(plan: dict[str, Any]) -> None:
@@ -1022,7 +1040,7 @@ def audit_cmd(
 ) -> None:
     """Reconcile a ledger with what each tier holds: lost, duplicated, unexpected, reordered, corrupted, delay."""
     from ferry.errors import UsageError
-    from ferry.pipeline.audit import audit, tier_frame, verdict
+    from ferry.pipeline.audit import audit, check_inputs, tier_frame, verdict
     from ferry.pipeline.spark import get_session
     from ferry.report import render_html
 
@@ -1034,8 +1052,9 @@ def audit_cmd(
         tiers[name] = value
     needs_topology = any("://" in v and not v.startswith("parquet://") for v in tiers.values())
     topo = _topology(topology) if needs_topology else None
-    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False)
     ledgers = [str(p) for p in ledger]
+    check_inputs(topo, ledgers, tiers)
+    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False)
     with _busy(f"auditing {len(tiers)} tier(s) against {len(ledgers)} ledger(s) (a Spark job)", not as_json):
         report = audit(
             spark,
@@ -1519,12 +1538,13 @@ def site_failover(
         reach = "reachable" if result["source_reachable"] else "not reachable"
         out.print(
             f"dry run: would fence {result['from']} -> {to} ({result['relay']}) and make {to} primary; "
-            f"{result['from']} sequences {to} holds so far: {result['replicated']}; {result['from']} is {reach}",
+            f"{result['from']} sequences {to} holds so far: {_per_stream(result['replicated'])}; "
+            f"{result['from']} is {reach}",
             highlight=False,
         )
         return
     fo = result["failover"]
-    out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {fo['replicated']}")
+    out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {_per_stream(fo['replicated'])}")
     if result.get("reverse"):
         out.print(f"defined {to} -> {fo['from']}; run relays with: ferry replicate run --from {to} --to {fo['from']}")
 
@@ -1663,7 +1683,8 @@ def lab_failback_setting(
         print_json(result)
         return
     out.print(
-        f"art federates {', '.join(names)} (vhost /) to pc1 and ltm; {messages:,} more on each of ltm's\n"
+        f"art federates {', '.join(names)} (vhost /) to pc1 and ltm; each of them on ltm holds {messages:,} "
+        "messages more, left behind as after a DR\n"
         "next: ferry failback --from ltm --to pc1 --dry-run"
     )
 

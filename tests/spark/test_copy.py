@@ -257,6 +257,23 @@ def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_
     ]
 
 
+def test_a_sequence_range_copies_exactly_it_and_the_plan_counts_it(
+    supercluster: lab.LabState, source_stream: str
+) -> None:
+    topo, topology = profile_topology(supercluster), supercluster.path / "topology.yaml"
+    asyncio.run(make_stream(topo, "west", "CRANGE", ["range.csrc.>"], placement="west"))
+    args = ["copy", f"jetstream://east/{source_stream}?start_seq=101&end_seq=350", "jetstream://west/CRANGE"]
+    args += ["--subject-prefix", "range."]
+    plan = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
+    assert plan["messages"] == 250 and 0 < plan["bytes"] < 250 * 100, plan
+    report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    assert report["stored"] == 250
+    rows = asyncio.run(read_stream(topo, "west", "CRANGE"))
+    assert [int(dict(r["headers"])["Ferry-Source-Seq"]) for r in rows] == list(range(101, 351))
+    again = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
+    assert again["messages"] == 0 and "resuming after source sequence 350 (the destination's last)" in again["notes"]
+
+
 @pytest.mark.parametrize("mode", ["ordered", "parallel", "ordered-batched"])
 def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
     """ordered-batched: into a stream that allows fast batch publishing, which the copy then uses."""

@@ -30,36 +30,55 @@ from typing import Any
 
 from ferry.errors import ConfigError, NotFound
 
-__all__ = ["audit", "tier_frame", "verdict"]
+__all__ = ["audit", "check_inputs", "tier_frame", "verdict"]
 
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 _DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
 _DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) count as this
 
 
+def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> None:
+    """Refuse a missing ledger or snapshot, a bad URI or an unknown stream before Spark starts."""
+    import asyncio
+
+    from ferry.pipeline.jetstream import stream_states
+    from ferry.pipeline.uris import parse_uri
+
+    for path in ledgers:
+        if not Path(path).exists():
+            raise NotFound(f"ledger {path!r} does not exist")
+    for value in tiers.values():
+        if "://" not in value or value.startswith("parquet://"):
+            if not Path(value.removeprefix("parquet://")).exists():
+                raise NotFound(f"tier {value!r}: no such snapshot directory")
+            continue
+        src = parse_uri(value)
+        if src.kind != "jetstream":
+            raise ConfigError(
+                f"tier {value!r}: give a snapshot directory or a jetstream:// URI "
+                "(snapshot queues first with `ferry snapshot`)"
+            )
+        cluster = topology.nats(src.cluster)
+        asyncio.run(stream_states(cluster, [src.stream or ""], src.subject, src.cluster or ""))
+
+
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
-    """A tier as a DataFrame in the common schema: a Parquet directory or a stream/queue URI."""
+    """A tier (checked by :func:`check_inputs`) as a DataFrame in the common schema: a Parquet
+    directory or a stream URI."""
     from ferry.pipeline.schema import SPARK_DDL
 
     if "://" not in value or value.startswith("parquet://"):
-        path = value.removeprefix("parquet://")
-        if not Path(path).exists():
-            raise NotFound(f"tier {value!r}: no such snapshot directory")
-        return spark.read.schema(SPARK_DDL).parquet(path)
+        return spark.read.schema(SPARK_DDL).parquet(value.removeprefix("parquet://"))
     from ferry.pipeline.uris import parse_uri
 
     src = parse_uri(value)
-    if src.kind == "jetstream":
-        return (
-            spark.read.format("jetstream")
-            .option("cluster", topology.nats(src.cluster).model_dump_json())
-            .option("cluster_name", src.cluster)
-            .option("stream", src.stream)
-            .option("subject", src.subject or "")
-            .load()
-        )
-    raise ConfigError(
-        f"tier {value!r}: give a snapshot directory or a jetstream:// URI (snapshot queues first with `ferry snapshot`)"
+    return (
+        spark.read.format("jetstream")
+        .option("cluster", topology.nats(src.cluster).model_dump_json())
+        .option("cluster_name", src.cluster)
+        .option("stream", src.stream)
+        .option("subject", src.subject or "")
+        .load()
     )
 
 
@@ -80,9 +99,6 @@ def audit(
     from pyspark.sql import functions as F
 
     ledgers = [ledger] if isinstance(ledger, str) else ledger
-    for path in ledgers:
-        if not Path(path).exists():
-            raise NotFound(f"ledger {path!r} does not exist")
     led = spark.read.parquet(*ledgers).select(
         "id",
         "sent_ns",

@@ -162,6 +162,7 @@ def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> C
 
 async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
     src, dst = plan.source, plan.destination
+    st: dict[str, int] = {}
     if src.kind == "jetstream":
         cluster = topology.nats(src.cluster or "")
         async with bnats.session(cluster, name=src.cluster or "") as nc:
@@ -170,8 +171,6 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
             plan.messages = st["messages"]
             plan.bytes = await _stream_payload(nc, src.stream or "", st)
         plan.notes.append("bytes are payload bytes, estimated from the stream's stored size")
-        if src.start_seq or src.end_seq:
-            plan.notes.append("a sequence range was given: the message count is the whole stream's")
     elif src.kind == "parquet":
         try:
             plan.messages, plan.bytes = _parquet_size(src.path or "")
@@ -187,6 +186,24 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
     elif dst.kind == "rabbitmq":
         await _plan_queue_destination(topology, plan)
         await _check_access(topology, dst.cluster or "", {x["target_vhost"] for x in plan.queues} or {dst.vhost or "/"})
+    if st and (src.start_seq or src.end_seq or plan.resume_from):
+        _narrow(plan, st)
+
+
+def _narrow(plan: CopyPlan, st: dict[str, int]) -> None:
+    """Count only the sequences the copy reads (a range given, or a resumed copy): exact when
+    every sequence of the stream is there and matches, else in proportion to the range."""
+    lo = max(filter(None, (plan.source.start_seq, plan.resume_from, st["first_seq"])))
+    hi = min(plan.source.end_seq or st["last_seq"], st["last_seq"])
+    span = st["last_seq"] - st["first_seq"] + 1
+    if not plan.messages or span <= 0:
+        return
+    inside = max(0, hi - lo + 1)
+    messages = inside if plan.messages == span else round(plan.messages * inside / span)
+    if plan.messages != span:
+        plan.notes.append("the count within the sequence range is estimated (the stream has gaps or a filter)")
+    plan.bytes = plan.bytes * messages // plan.messages
+    plan.messages = messages
 
 
 async def _stream_payload(nc: Any, stream: str, st: dict[str, int]) -> int:
