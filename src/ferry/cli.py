@@ -1375,6 +1375,39 @@ def _print_rebalance(r: dict[str, Any]) -> None:
             out.print(f"  {n['node']}: {n['connections']:,} connections, {n['sessions']:,} leaders", highlight=False)
 
 
+@cluster_app.command("status")
+def cluster_status(
+    cluster: Annotated[str | None, typer.Argument(help="One cluster (default: every one).")] = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The rebalance running in each cluster: state, donors, recipients, last counts, what moved."""
+    from ferry.ops.rebalance import rebalance_status
+
+    rows = run(rebalance_status(_topology(topology), cluster or ""))
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        out.print(f"no rebalance of {cluster} is running" if cluster else "no rebalance is running")
+    for r in rows:
+        ev, driver = r.get("evicted") or {}, r.get("driven_by")
+        out.print(
+            f"rebalance of {r['cluster']}: state {r.get('state')}; donors {', '.join(r.get('donors') or []) or '-'}, "
+            f"recipients {', '.join(r.get('recipients') or []) or '-'}; moved {ev.get('connections', 0):,} "
+            f"connections, {ev.get('sessions', 0):,} leaders; "
+            + (
+                f"driven by {driver['host']} pid {driver['pid']}"
+                if driver
+                else "driven by nobody (ferry serve adopts it)"
+            ),
+            highlight=False,
+        )
+        counts = r.get("counts") or {}
+        if counts:
+            out.print("  last counts: " + ", ".join(f"{n} {c:,}" for n, c in counts.items()), highlight=False)
+
+
 @cluster_app.command("stop")
 def cluster_stop(
     cluster: Annotated[str, typer.Argument()], topology: TopologyOpt = None, as_json: JsonOpt = False

@@ -603,6 +603,11 @@ async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
         await asyncio.to_thread(
             wait_for, lambda: connections(supercluster, ("east-1",))["east-1"] <= 57, 60, "eviction to start"
         )
+        (running,) = json.loads(ferry("cluster", "status", "east", "--json", topology=topology, check=True).stdout)
+        assert running["state"] == "evicting_conns" and running["donors"] == ["east-1"], running
+        assert running["evicted"]["connections"] >= 3 and running["driven_by"]["pid"] == proc.pid, running
+        said = ferry("cluster", "status", "west", topology=topology, check=True).stdout
+        assert said.strip() == "no rebalance of west is running"
         victim.signal(signal.SIGKILL)
         out, err = await asyncio.to_thread(proc.communicate, timeout=60)
         assert proc.returncode != 0 and out, err[-2000:]

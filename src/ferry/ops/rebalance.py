@@ -68,6 +68,7 @@ __all__ = [
     "node_status",
     "propose",
     "rebalance",
+    "rebalance_status",
     "stop",
     "unavailable",
     "within",
@@ -778,6 +779,20 @@ async def node_status(topo: Topology, node: str | None = None, cluster: str = ""
                 now = await nodes.view(st["node"])
                 alive = owner_alive(st, STALE_AFTER)
                 rows.append({**_public(st), "current": now.summary(), "driven_by": st.get("owner") if alive else None})
+    return rows
+
+
+async def rebalance_status(topo: Topology, cluster: str = "") -> list[dict[str, Any]]:
+    """`ferry cluster status`: the rebalance running in each cluster (or in `cluster`)."""
+    if cluster:
+        topo.cluster(cluster)  # unknown -> one line
+    rows = []
+    for _, cname, c in topo.clusters():
+        if cluster and cname != cluster:
+            continue
+        st = (await states(c, cname)).get(rebalance_key(cname))
+        if st:
+            rows.append({**_public(st), "driven_by": st.get("owner") if owner_alive(st, STALE_AFTER) else None})
     return rows
 
 
