@@ -521,8 +521,9 @@ class _Lease:
             if self.lost.is_set():
                 return
             try:
+                sent = time.monotonic()  # the heartbeat a standby reads is stamped before the write goes out
                 await self.j.save(release=release, **changes)
-                self.saved_at = time.monotonic()
+                self.saved_at = sent
                 if release:
                     self.lost.set()
                 return
@@ -536,9 +537,16 @@ class _Lease:
                 self.stop_requested.set()
 
     async def beat(self) -> None:
+        """A heartbeat every `interval`; the lease counts as lost once no save went out for 3/4 of
+        the time a standby waits, even while a write hangs (it is retried through elections for
+        longer than that), so this relay stops before a standby may start."""
         while not self.lost.is_set():
             await asyncio.sleep(self.interval)
-            await self.save()
+            saving = asyncio.ensure_future(self.save())
+            while not saving.done():
+                await asyncio.wait({saving}, timeout=0.1)
+                if time.monotonic() - self.saved_at > 0.75 * self.j.stale_after:
+                    self.lost.set()
 
 
 class Relay:
@@ -727,9 +735,10 @@ async def _lags(nc: Any, relayed: dict[str, int]) -> dict[str, dict[str, Any]]:
     for s, r in relayed.items():
         last = (await jsm.stream_info(s)).state.last_seq
         lag_s = 0.0
-        if last > r:
+        if last > r:  # the oldest message not relayed yet (r + 1 itself may be deleted or expired)
             with contextlib.suppress(Exception):
-                lag_s = max(0.0, time.time() - (await jsm.get_msg(s, r + 1)).time.timestamp())
+                oldest = await jsm.get_msg(s, r + 1, subject=">", next=True)
+                lag_s = max(0.0, time.time() - oldest.time.timestamp())
         out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
     return out
 
@@ -896,10 +905,12 @@ async def failback(
         sent_back = await asyncio.to_thread(catch_up, spark, topo, back, s, 1, 0, held_everywhere(spark, topo, back, s))
         report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back}
         emit("reconciled", stream=s, **report["streams"][s])
+    # defined again before the records say TO is primary: a failback cut short between the two
+    # finds its record on a rerun, instead of leaving TO -> other undefined
+    again = await start(topo, forth, keep_marker=False)  # the reconciliation moved its position
     new = {"primary": to, "failback": {"from": primary, "at": time.time()}}
     for site in (to, primary):
         await _save_site(topo, site, new)
-    again = await start(topo, forth, keep_marker=False)  # the reconciliation moved its position
     report["replication"] = (
         f"{forth.source} -> {forth.dest} defined again ({_status_row(again, time.time())['summary']});"
         f" run relays with: ferry replicate run --from {forth.source} --to {forth.dest}"
