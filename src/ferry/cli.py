@@ -314,7 +314,6 @@ def copy_cmd(
         return
     if not as_json:
         _print_plan(plan.as_dict())
-    # the copy registers ferry's data sources if it reads with one (a second of start-up otherwise)
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry copy", data_sources=False)
     with _progress(plan.messages, "copying", enabled=not as_json) as advance:
         report = run_copy(topo, plan, spark, progress=advance)
@@ -1009,7 +1008,7 @@ def snapshot_cmd(
     from ferry.pipeline.spark import get_session
 
     topo = _topology(topology)
-    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot")
+    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot", data_sources=False)
     with _busy(f"snapshot of {source} (a Spark job)", not as_json):
         result = snapshot(topo, spark, source, out_dir)
     if as_json:
@@ -1054,7 +1053,9 @@ def audit_cmd(
     topo = _topology(topology) if needs_topology else None
     ledgers = [str(p) for p in ledger]
     check_inputs(topo, ledgers, tiers)
-    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False)
+    spark = get_session(
+        master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False, data_sources=False
+    )
     with _busy(f"auditing {len(tiers)} tier(s) against {len(ledgers)} ledger(s) (a Spark job)", not as_json):
         report = audit(
             spark,
@@ -1596,7 +1597,7 @@ def site_failback(
     from ferry.pipeline.spark import get_session
 
     def spark() -> Any:
-        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback")
+        return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
     emit = _json_events if as_json else _print_plain_event
     report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))

@@ -640,7 +640,7 @@ def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> tupl
     src = f"jetstream://{via}/{move['from']}?subject={quote(move['pattern'])}&end_seq={hi}"
     opts = CopyOptions(mode="parallel", partitions=1, subject_prefix=stage_subject(move["to"]) + ".")
     copy_plan = plan_copy(topo, src, f"jetstream://{via}/{move['to']}", opts)
-    spark = get_session(app_name="ferry partition", data_sources=False)  # run_copy registers what it reads with
+    spark = get_session(app_name="ferry partition", data_sources=False)
     report = run_copy(topo, copy_plan, spark)
     return report.read, report.duplicates
 

@@ -227,17 +227,14 @@ def _source_frame(spark: Any, topo: Topology, rep: Replication, stream: str, lo:
     """The source stream's own messages (no origin header) as a DataFrame."""
     from pyspark.sql import functions as F
 
-    reader = (
-        spark.read.format("jetstream")
-        .option("cluster", _cluster(topo, rep.source).model_dump_json())
-        .option("cluster_name", rep.source)
-        .option("stream", stream)
+    cfg = js.ReadConfig(
+        cluster=_cluster(topo, rep.source).model_dump_json(),
+        name=rep.source,
+        streams=(stream,),
+        start_seq=lo or None,
+        end_seq=hi or None,
     )
-    if lo:
-        reader = reader.option("start_seq", lo)
-    if hi:
-        reader = reader.option("end_seq", hi)
-    return reader.load().where(F.col("headers")[ORIGIN_SITE_HDR].isNull())
+    return js.stream_frame(spark, cfg).where(F.col("headers")[ORIGIN_SITE_HDR].isNull())
 
 
 def catch_up(spark: Any, topo: Topology, rep: Replication, stream: str, lo: int, hi: int, have: Any) -> int:
@@ -262,16 +259,20 @@ def held_everywhere(spark: Any, topo: Topology, rep: Replication, stream: str) -
     from pyspark.sql import functions as F
 
     h = F.col("headers")
+    cfg = js.ReadConfig(
+        cluster=_cluster(topo, rep.dest).model_dump_json(), name=rep.dest, streams=(rep.dest_stream(stream),)
+    )
     return (
-        spark.read.format("jetstream")
-        .option("cluster", _cluster(topo, rep.dest).model_dump_json())
-        .option("cluster_name", rep.dest)
-        .option("stream", rep.dest_stream(stream))
-        .load()
+        js.stream_frame(spark, cfg)
         .where((h[ORIGIN_SITE_HDR] == rep.source) & (h[ORIGIN_STREAM_HDR] == stream))
         .select(h[ORIGIN_SEQ_HDR].cast("long").alias("source_seq"))
         .distinct()
     )
+
+
+def _send_missing(spark: Any, topo: Topology, rep: Replication, stream: str) -> int:
+    """Relay every message of the source's `stream` the destination does not hold yet."""
+    return catch_up(spark, topo, rep, stream, 1, 0, held_everywhere(spark, topo, rep, stream))
 
 
 def start_query(
@@ -902,10 +903,8 @@ async def failback(
     for s in streams:
         # what TO acked but never relayed before it failed (the RPO), then what was written at `primary`
         rpo = await asyncio.to_thread(_count_after, spark, topo, forth, s, int(fo["replicated"][s]))
-        sent_forth = await asyncio.to_thread(
-            catch_up, spark, topo, forth, s, 1, 0, held_everywhere(spark, topo, forth, s)
-        )
-        sent_back = await asyncio.to_thread(catch_up, spark, topo, back, s, 1, 0, held_everywhere(spark, topo, back, s))
+        sent_forth = await asyncio.to_thread(_send_missing, spark, topo, forth, s)
+        sent_back = await asyncio.to_thread(_send_missing, spark, topo, back, s)
         report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back}
         emit("reconciled", stream=s, **report["streams"][s])
     # defined again before the records say TO is primary: a failback cut short between the two

@@ -69,17 +69,17 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
 
     if "://" not in value or value.startswith("parquet://"):
         return spark.read.schema(SPARK_DDL).parquet(value.removeprefix("parquet://"))
+    from ferry.pipeline.jetstream import ReadConfig, stream_frame
     from ferry.pipeline.uris import parse_uri
 
     src = parse_uri(value)
-    return (
-        spark.read.format("jetstream")
-        .option("cluster", topology.nats(src.cluster).model_dump_json())
-        .option("cluster_name", src.cluster)
-        .option("stream", src.stream)
-        .option("subject", src.subject or "")
-        .load()
+    cfg = ReadConfig(
+        cluster=topology.nats(src.cluster).model_dump_json(),
+        name=src.cluster or "",
+        streams=(src.stream or "",),
+        subject=src.subject,
     )
+    return stream_frame(spark, cfg)
 
 
 def audit(

@@ -47,7 +47,7 @@ from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
 from ferry.pipeline._common import COUNTS_DDL, WriteCounts
 from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
-from ferry.pipeline.spark import register, spark_error
+from ferry.pipeline.spark import spark_error
 from ferry.pipeline.uris import Endpoint, parse_uri
 from ferry.topology import RabbitCluster, Topology
 
@@ -497,22 +497,7 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         _run_stream_to_stream(topology, plan, spark, report)
         return
     if src.kind == "jetstream":
-        register(spark)
-        reader = (
-            spark.read.format("jetstream")
-            .option("cluster", topology.nats(src.cluster or "").model_dump_json())
-            .option("cluster_name", src.cluster)
-            .option("stream", src.stream)
-        )
-        if src.subject:
-            reader = reader.option("subject", src.subject)
-        if src.start_seq:
-            reader = reader.option("start_seq", str(src.start_seq))
-        if src.end_seq:
-            reader = reader.option("end_seq", str(src.end_seq))
-        if opts.partitions:
-            reader = reader.option("partitions", str(opts.partitions))
-        df = reader.load()
+        df = js.stream_frame(spark, _source_cfg(topology, plan))
     else:
         from ferry.pipeline.schema import SPARK_DDL
 
@@ -567,17 +552,8 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
     (Measured here: passing rows from the reader's Python worker through the JVM
     to a writer's Python worker alone capped a copy near 25,000 msg/s.)
     """
-    src, opts = plan.source, plan.options
-    start = max(filter(None, (src.start_seq, plan.resume_from)), default=None)
-    rcfg = js.ReadConfig(
-        cluster=topology.nats(src.cluster or "").model_dump_json(),
-        name=src.cluster or "",
-        streams=(src.stream or "",),
-        subject=src.subject,
-        start_seq=start,
-        end_seq=src.end_seq,
-        partitions=opts.partitions,
-    )
+    opts = plan.options
+    rcfg = _source_cfg(topology, plan)
     ranges = js.plan_ranges(rcfg)
     if not ranges:
         return
@@ -589,6 +565,20 @@ def _run_stream_to_stream(topology: Topology, plan: CopyPlan, spark: Any, report
         return asyncio.run(js.write_rows(wcfg, _read_group(rcfg, groups[i], held))).as_dict()
 
     _add_counts(report, per_task(spark, len(groups), copy, WriteCounts.arrow_schema()))
+
+
+def _source_cfg(topology: Topology, plan: CopyPlan) -> js.ReadConfig:
+    """How the copy reads its source stream: the range asked for, from the resume point on."""
+    src = plan.source
+    return js.ReadConfig(
+        cluster=topology.nats(src.cluster or "").model_dump_json(),
+        name=src.cluster or "",
+        streams=(src.stream or "",),
+        subject=src.subject,
+        start_seq=max(filter(None, (src.start_seq, plan.resume_from)), default=None),
+        end_seq=src.end_seq,
+        partitions=plan.options.partitions,
+    )
 
 
 async def _read_group(rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]) -> AsyncIterator[tuple[Any, ...]]:
@@ -605,13 +595,11 @@ def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:
 
     dst = plan.destination
     source_name = f"{plan.source.cluster}/{plan.source.stream}"
-    register(spark)
+    cfg = js.ReadConfig(
+        cluster=topology.nats(dst.cluster or "").model_dump_json(), name=dst.cluster or "", streams=(dst.stream or "",)
+    )
     held = (
-        spark.read.format("jetstream")
-        .option("cluster", topology.nats(dst.cluster or "").model_dump_json())
-        .option("cluster_name", dst.cluster)
-        .option("stream", dst.stream)
-        .load()
+        js.stream_frame(spark, cfg)
         .where(F.col("headers")[js.SOURCE_HDR] == source_name)
         .select(F.col("headers")[js.SOURCE_SEQ_HDR].cast("long").alias("seq"))
     )
