@@ -506,13 +506,9 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
             df = df.orderBy("source", "source_seq")
         if plan.resume_from:
             df = df.filter(df.source_seq >= plan.resume_from)
-    if dst.kind == "parquet":
-        from pyspark.sql import functions as F
-
-        write_parquet(df, Path(dst.path or ""))  # the plan already refused a non-empty directory
-        written = spark.read.parquet(dst.path).agg(F.count("*"), F.sum(F.length("payload"))).first()
-        report.read = report.stored = int(written[0])
-        report.bytes = int(written[1] or 0)
+    if dst.kind == "parquet":  # the plan already refused a non-empty directory
+        report.read, report.bytes = write_parquet(df, Path(dst.path or ""))
+        report.stored = report.read
         return
     if dst.kind == "jetstream" and opts.mode == "ordered":
         df = df.coalesce(1)
@@ -521,20 +517,27 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
     _add_counts(report, df.mapInArrow(_writer_fn(spec), COUNTS_DDL).collect())
 
 
-def write_parquet(df: Any, out: Path) -> None:
-    """Write `df` as Parquet into `out`, a new or empty directory, all at once: Spark writes
-    beside it and the result is renamed into place, so a failed or interrupted write leaves
-    `out` as it was (a rerun starts clean)."""
+def write_parquet(df: Any, out: Path) -> tuple[int, int]:
+    """Write `df` (the common schema) as Parquet into `out`, a new or empty directory, all at once:
+    Spark writes beside it and the result is renamed into place, so a failed or interrupted write
+    leaves `out` as it was (a rerun starts clean). Returns the rows and payload bytes written,
+    counted as they were written (no second job reads them back)."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
     out = out.absolute()
     partial = out.with_name(f".{out.name}.ferry-partial")
     shutil.rmtree(partial, ignore_errors=True)  # a write interrupted before
+    written = Observation("written")
     try:
-        df.write.mode("error").parquet(str(partial))
+        counted = df.observe(written, F.count(F.lit(1)).alias("rows"), F.sum(F.length("payload")).alias("bytes"))
+        counted.write.mode("error").parquet(str(partial))
         if out.exists():
             out.rmdir()
         partial.rename(out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+    return int(written.get["rows"]), int(written.get["bytes"] or 0)
 
 
 def _add_counts(report: CopyReport, rows: list[Any]) -> None:

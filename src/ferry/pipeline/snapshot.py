@@ -56,8 +56,7 @@ def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str
                 yield from iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
 
     df = spark.range(0, len(queues), 1, len(queues)).mapInArrow(read, SPARK_DDL)
-    write_parquet(df, out)
-    count = spark.read.parquet(str(out.absolute())).count()
+    count, _ = write_parquet(df, out)
     return {
         "source": source,
         "out": str(out),
