@@ -1039,7 +1039,7 @@ def audit_cmd(
 ) -> None:
     """Reconcile a ledger with what each tier holds: lost, duplicated, unexpected, reordered, corrupted, delay."""
     from ferry.errors import UsageError
-    from ferry.pipeline.audit import audit, check_inputs, tier_frame, verdict
+    from ferry.pipeline.audit import FULL_JVM_ROWS, audit, check_inputs, tier_frame, verdict
     from ferry.pipeline.spark import get_session
     from ferry.report import render_html
 
@@ -1052,9 +1052,13 @@ def audit_cmd(
     needs_topology = any("://" in v and not v.startswith("parquet://") for v in tiers.values())
     topo = _topology(topology) if needs_topology else None
     ledgers = [str(p) for p in ledger]
-    check_inputs(topo, ledgers, tiers)
+    rows = check_inputs(topo, ledgers, tiers)
     spark = get_session(
-        master=spark_master, remote=spark_remote, app_name="ferry audit", light_jvm=False, data_sources=False
+        master=spark_master,
+        remote=spark_remote,
+        app_name="ferry audit",
+        light_jvm=rows < FULL_JVM_ROWS,
+        data_sources=False,
     )
     with _busy(f"auditing {len(tiers)} tier(s) against {len(ledgers)} ledger(s) (a Spark job)", not as_json):
         report = audit(

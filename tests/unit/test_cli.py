@@ -43,6 +43,23 @@ def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, optio
     assert not (tmp_path / "ledger").exists()
 
 
+@pytest.mark.parametrize("broken", ["ledger", "tier"])
+def test_an_audit_input_that_is_not_parquet_is_one_line(tmp_path, broken: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    pq.write_table(pa.table({"id": ["a"]}), good / "part-0.parquet")
+    (bad / "notes.txt").write_text("not a table")
+    ledger, tier = (bad, good) if broken == "ledger" else (good, bad)
+    args = ["audit", "--ledger", str(ledger), "--tier", f"t={tier}", "--html", str(tmp_path / "r.html")]
+    r = subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {broken} '{bad}' is not Parquet") and not (tmp_path / "r.html").exists()
+
+
 def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
         monkeypatch.setenv(var, "secret-" + var)

@@ -30,27 +30,47 @@ from typing import Any
 
 from ferry.errors import ConfigError, NotFound
 
-__all__ = ["audit", "check_inputs", "tier_frame", "verdict"]
+__all__ = ["FULL_JVM_ROWS", "audit", "check_inputs", "tier_frame", "verdict"]
 
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 _DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
 _DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) count as this
 
 
-def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> None:
-    """Refuse a missing ledger or snapshot, a bad URI or an unknown stream before Spark starts."""
+# From about this many rows (ledgers and tiers together) the audit is faster in a JVM that compiles
+# with C2 (10M-row bench: half the time); below it, C1 alone starts sooner (50,000 rows: 9.8 s
+# against 12.2 s for the whole command; at 500,000 the two are even).
+FULL_JVM_ROWS = 1_000_000
+
+
+def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> int:
+    """Refuse a missing ledger or snapshot, a bad URI or an unknown stream before Spark starts.
+    Returns the rows to reconcile, from the files' metadata and the streams' state."""
     import asyncio
+
+    import pyarrow as pa
+    import pyarrow.dataset as ds
 
     from ferry.pipeline.jetstream import stream_states
     from ferry.pipeline.uris import parse_uri
 
+    def parquet_rows(what: str, path: str) -> int:
+        try:
+            return ds.dataset(path, format="parquet").count_rows()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ConfigError(f"{what} {path!r} is not Parquet ({str(exc).splitlines()[0]})") from None
+
+    rows = 0
     for path in ledgers:
         if not Path(path).exists():
             raise NotFound(f"ledger {path!r} does not exist")
+        rows += parquet_rows("ledger", path)
     for value in tiers.values():
         if "://" not in value or value.startswith("parquet://"):
-            if not Path(value.removeprefix("parquet://")).exists():
+            path = value.removeprefix("parquet://")
+            if not Path(path).exists():
                 raise NotFound(f"tier {value!r}: no such snapshot directory")
+            rows += parquet_rows("tier", path)
             continue
         src = parse_uri(value)
         if src.kind != "jetstream":
@@ -59,7 +79,9 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> No
                 "(snapshot queues first with `ferry snapshot`)"
             )
         cluster = topology.nats(src.cluster)
-        asyncio.run(stream_states(cluster, [src.stream or ""], src.subject, src.cluster or ""))
+        states = asyncio.run(stream_states(cluster, [src.stream or ""], src.subject, src.cluster or ""))
+        rows += states[src.stream or ""]["messages"]
+    return rows
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
