@@ -691,10 +691,15 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
     clients = [await amqp_connect(cluster, first, name=f"idle-{i}") for i in range(40)]
     try:
         try:
-            await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 60, "40 connections listed on rabbits-1")
-        except AssertionError as exc:  # CI saw this once: say what the management API listed instead
-            nodes = [c["node"] for c in rabbit_get(cluster, "/connections?columns=node")]
-            raise AssertionError(f"{exc}; listed per node: {Counter(nodes)}") from None
+            await asyncio.to_thread(wait_for, lambda: on_first() >= 40, 120, "40 connections listed on rabbits-1")
+        except AssertionError as exc:  # CI saw this twice: say what each node's management API listed
+            seen = {}
+            for b in cluster.brokers:
+                url = f"{b.management_url}/api/connections?columns=node"
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    listed = httpx.get(url, auth=_rabbit_auth(cluster), timeout=10).json()
+                    seen[b.name] = Counter(c.get("node") for c in listed)
+            raise AssertionError(f"{exc}; listed per node, asked at each node: {seen}") from None
         args = ["cluster", "rebalance", "rabbits", "--abs-conn-threshold", "5", "--abs-sess-threshold", "2"]
         args += ["--wait-health-check", "1", "--wait-takeover", "0", "--conn-evict-rate", "20", "--json"]
         dry = json.loads((await asyncio.to_thread(ferry, *args, topology=topology, check=True)).stdout)
