@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,6 +54,18 @@ def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
         loop.run_until_complete(agen.aclose())
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def per_index(spark: Any, n: int, batches: Callable[[int], Iterable[Any]], schema: Any) -> Any:
+    """A DataFrame of `schema` holding batches(0) + ... + batches(n - 1), each index read by a Spark
+    task of its own (Arrow record batches: one per stream range, queue, ...)."""
+
+    def each(indices: Iterator[Any]) -> Iterator[Any]:
+        for chunk in indices:
+            for i in chunk.column(0).to_pylist():
+                yield from batches(i)
+
+    return spark.range(0, n, 1, max(1, n)).mapInArrow(each, schema)
 
 
 def opt_int(options: dict[str, str], key: str, default: int | None = None) -> int | None:

@@ -45,7 +45,7 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._amqp import QueueCounts
-from ferry.pipeline._common import COUNTS_DDL, WriteCounts
+from ferry.pipeline._common import COUNTS_DDL, WriteCounts, per_index
 from ferry.pipeline.rabbitmq import MoveResult, MoveTask, move_queue
 from ferry.pipeline.spark import spark_error
 from ferry.pipeline.uris import Endpoint, parse_uri
@@ -537,7 +537,8 @@ def write_parquet(df: Any, out: Path) -> tuple[int, int]:
         partial.rename(out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return int(written.get["rows"]), int(written.get["bytes"] or 0)
+    got = written.get
+    return int(got["rows"]), int(got["bytes"] or 0)
 
 
 def _add_counts(report: CopyReport, rows: list[Any]) -> None:
@@ -669,12 +670,8 @@ def per_task(spark: Any, n: int, fn: Callable[[int], dict[str, Any]], schema: pa
     if _is_connect(spark):  # Spark Connect has no RDDs
         from pyspark.sql.pandas.types import from_arrow_schema
 
-        def each(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            for batch in batches:
-                for i in batch.column(0).to_pylist():
-                    yield pa.RecordBatch.from_pylist([fn(i)], schema)
-
-        return [r.asDict() for r in spark.range(0, n, 1, n).mapInArrow(each, from_arrow_schema(schema)).collect()]
+        rows = per_index(spark, n, lambda i: [pa.RecordBatch.from_pylist([fn(i)], schema)], from_arrow_schema(schema))
+        return [r.asDict() for r in rows.collect()]
     # an RDD job needs none of Spark SQL's planning: its first task starts about a second sooner
     return spark.sparkContext.parallelize(range(n), n).map(fn).collect()
 

@@ -87,7 +87,16 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.nats import while_electing
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.pipeline import _kept
-from ferry.pipeline._common import COUNTS_DDL, WriteCounts, cluster_json, iterate, nats_cluster, opt_bool, opt_int
+from ferry.pipeline._common import (
+    COUNTS_DDL,
+    WriteCounts,
+    cluster_json,
+    iterate,
+    nats_cluster,
+    opt_bool,
+    opt_int,
+    per_index,
+)
 from ferry.pipeline._nats import Wire, header_value, parse_headers, wire
 from ferry.pipeline.schema import SPARK_DDL, BatchBuilder
 from ferry.publish import (
@@ -575,13 +584,7 @@ def stream_frame(spark: Any, cfg: ReadConfig) -> Any:
     command here); planned on the driver, the read starts on the task workers alone. Call it
     outside a running event loop (it asks the streams' state)."""
     ranges = plan_ranges(cfg)
-
-    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for i in batch.column(0).to_pylist():
-                yield from iterate(read_range(cfg, ranges[i]))
-
-    return spark.range(0, len(ranges), 1, max(1, len(ranges))).mapInArrow(read, SPARK_DDL)
+    return per_index(spark, len(ranges), lambda i: iterate(read_range(cfg, ranges[i])), SPARK_DDL)
 
 
 async def read_rows(

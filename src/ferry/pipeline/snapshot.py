@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from ferry.brokers.rabbitmq import Management, q
 from ferry.errors import ConfigError, UsageError
+from ferry.pipeline._common import iterate, per_index, rabbit_cluster
 from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy, write_parquet
 from ferry.pipeline.rabbitmq import snapshot_queue
 from ferry.pipeline.schema import SPARK_DDL
@@ -47,16 +48,11 @@ def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str
         raise ConfigError(f"{source!r}: no queue to snapshot")
     cluster_json, name = cluster.model_dump_json(), src.cluster or ""
 
-    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from ferry.pipeline._common import iterate, rabbit_cluster
+    def read(i: int) -> Iterator[pa.RecordBatch]:
+        vhost, queue = queues[i]
+        return iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
 
-        for batch in batches:
-            for i in batch.column(0).to_pylist():
-                vhost, queue = queues[i]
-                yield from iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
-
-    df = spark.range(0, len(queues), 1, len(queues)).mapInArrow(read, SPARK_DDL)
-    count, _ = write_parquet(df, out)
+    count, _ = write_parquet(per_index(spark, len(queues), read, SPARK_DDL), out)
     return {
         "source": source,
         "out": str(out),
