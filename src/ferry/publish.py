@@ -27,7 +27,7 @@ import json
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,13 @@ class Publisher:
         pending = _Pending(subject, payload, headers or None, Ack(subject, msg_id, ctx=ctx), now, now)
         self.stats.published += 1
         await self._send(pending)
+
+    async def publish_many(
+        self, messages: Iterable[tuple[str, bytes, dict[str, str] | bytes | None, str | None]]
+    ) -> None:
+        """:meth:`publish` of each (subject, payload, headers, msg id)."""
+        for subject, payload, headers, msg_id in messages:
+            await self.publish(subject, payload, headers=headers, msg_id=msg_id)
 
     async def flush(self, timeout: float | None = None) -> PublishStats:
         """Wait until every queued message is acked or has failed."""
@@ -361,12 +368,22 @@ class BatchPublisher:
     ) -> None:
         """Queue one message (waits while too far ahead of the stream's acks); `headers` as for
         :meth:`Publisher.publish`."""
-        if msg_id and not isinstance(headers, bytes):
-            headers = {**(headers or {}), MSG_ID: msg_id}
-        while self._ended_at is not None or self._sent - self._acked >= self._ahead:
-            await self._wait()
-        self.stats.published += 1
-        self._send(_Queued(subject.encode(), encode_headers(headers) if headers else b"", payload, time.monotonic()))
+        await self.publish_many(((subject, payload, headers, msg_id),))
+
+    async def publish_many(
+        self, messages: Iterable[tuple[str, bytes, dict[str, str] | bytes | None, str | None]]
+    ) -> None:
+        """:meth:`publish` of each (subject, payload, headers, msg id), in one coroutine (a copy's or
+        a relay's list of messages)."""
+        for subject, payload, headers, msg_id in messages:
+            while self._ended_at is not None or self._sent - self._acked >= self._ahead:
+                await self._wait()
+            if not isinstance(headers, bytes):
+                if msg_id:
+                    headers = {**(headers or {}), MSG_ID: msg_id}
+                headers = encode_headers(headers) if headers else b""
+            self.stats.published += 1
+            self._send(_Queued(subject.encode(), headers, payload, time.monotonic()))
 
     async def flush(self) -> PublishStats:
         """Commit the batch; wait until every message is stored or has failed."""

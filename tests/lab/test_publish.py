@@ -144,10 +144,9 @@ async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_chan
     )
 
     async def rows():  # type: ignore[no-untyped-def]
-        for i in range(n):
-            yield f"fb5.s{i % 7}", b"y" * 100, None, f"m{i}", "src/S", i + 1
-            if i % 1000 == 0:
-                await asyncio.sleep(0)
+        for lo in range(0, n, 1000):
+            yield [(f"fb5.s{i % 7}", b"y" * 100, None, f"m{i}", "src/S", i + 1) for i in range(lo, lo + 1000)]
+            await asyncio.sleep(0)
 
     async def stepdowns() -> None:  # mid-write, by the stream's own count (not by the clock)
         async with bnats.session(topo.nats("east")) as nc:

@@ -93,7 +93,7 @@ def test_a_received_block_with_repeated_or_spaced_keys_is_published_as_parsed(
             yield [(Msg("a.b", "", b"x", raw=block), 7, 0)]
 
         rcfg = ReadConfig(cluster="{}", name="east", streams=("S",))
-        return [row async for row in read_rows(rcfg, Range("S", 7, 7), lists(), relayed=False)]
+        return [row async for rows in read_rows(rcfg, Range("S", 7, 7), lists(), relayed=False) for row in rows]
 
     assert len(asyncio.run(relayed())) == (0 if "Ferry-Origin-Site" in parse_headers(block) else 1)
 

@@ -585,12 +585,17 @@ def _source_cfg(topology: Topology, plan: CopyPlan) -> js.ReadConfig:
     )
 
 
-async def _read_group(rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]) -> AsyncIterator[tuple[Any, ...]]:
-    """The ranges' messages in order, without the sequences the destination already holds."""
+async def _read_group(
+    rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]
+) -> AsyncIterator[list[tuple[Any, ...]]]:
+    """The ranges' messages in order, a list at a time, without the sequences the destination
+    already holds."""
     for part in ranges:
-        async for row in js.read_rows(rcfg, part):
-            if row[5] not in held:
-                yield row
+        async for rows in js.read_rows(rcfg, part):
+            if held:
+                rows = [row for row in rows if row[5] not in held]
+            if rows:
+                yield rows
 
 
 def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:

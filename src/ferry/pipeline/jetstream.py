@@ -592,23 +592,26 @@ async def read_rows(
     part: Range,
     lists: AsyncIterator[list[tuple[Any, int, int]]] | None = None,
     relayed: bool = True,
-) -> AsyncIterator[tuple[Any, ...]]:
-    """The messages of `part` (pulled, or from `lists`) as the rows :func:`write_rows` publishes
-    (subject, payload, headers, msg id, source, seq), without building Arrow batches: what tasks
-    that read and write at once (a copy between streams, a relay) use. Headers are the block as
-    received, unparsed (bytes), when the message came with one. Without `relayed`, the messages
+) -> AsyncIterator[list[tuple[Any, ...]]]:
+    """The messages of `part` (pulled, or from `lists`), a list at a time, as the rows :func:`write_rows`
+    publishes (subject, payload, headers, msg id, source, seq), without building Arrow batches: what
+    tasks that read and write at once (a copy between streams, a relay) use. Headers are the block
+    as received, unparsed (bytes), when the message came with one. Without `relayed`, the messages
     a relay wrote here (with ``Ferry-Origin-Site``) are left out."""
     source = f"{cfg.name}/{part.stream}"
     async for got in lists or pulled(cfg, part):
+        rows = []
         for m, seq, _ in got:
             raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
             if raw is not None:
                 if relayed or b"Ferry-Origin-Site" not in raw or ORIGIN_SITE_HDR not in (m.headers or {}):
-                    yield m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq
+                    rows.append((m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq))
             else:
                 headers = m.headers or {}
                 if relayed or ORIGIN_SITE_HDR not in headers:
-                    yield m.subject, m.data, headers, headers.get(MSG_ID), source, seq
+                    rows.append((m.subject, m.data, headers, headers.get(MSG_ID), source, seq))
+        if rows:
+            yield rows
 
 
 class _RelayLink:
@@ -752,21 +755,22 @@ async def _each(batches: Batches) -> AsyncIterator[pa.RecordBatch]:
             yield batch
 
 
-async def _each_row(batches: Batches) -> AsyncIterator[tuple[Any, ...]]:
+async def _row_lists(batches: Batches) -> AsyncIterator[list[tuple[Any, ...]]]:
     async for batch in _each(batches):
-        for row in _rows(batch):
-            yield row
+        yield list(_rows(batch))
 
 
 async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
     """Publish every row of `batches`; raise if any message could not be stored."""
-    return await write_rows(cfg, _each_row(batches))
+    return await write_rows(cfg, _row_lists(batches))
 
 
-async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], dest: Wire | None = None) -> WriteCounts:
+async def write_rows(
+    cfg: WriteConfig, rows: AsyncIterator[list[tuple[Any, ...]]], dest: Wire | None = None
+) -> WriteCounts:
     """Publish every row (subject, payload, headers as a dict, pairs or an encoded block, msg id,
-    source, seq), on
-    `dest` if given (else a connection of its own); raise if any message could not be stored."""
+    source, seq) of `rows`, which come a list at a time, on `dest` if given (else a connection of
+    its own); raise if any message could not be stored."""
     counts = WriteCounts()
     async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name, prefer=cfg.leader) as w:
         if cfg.ordered:
@@ -776,13 +780,16 @@ async def write_rows(cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], des
             pub = _publisher(w, cfg)
             pacer = Pacer(cfg.rate)
             async with pub:
-                async for row in rows:
-                    if pacer.interval:  # (no coroutine per message when there is no rate)
-                        await pacer.wait()
-                    subject, payload, headers, msg_id = _message(cfg, row)
-                    counts.rows += 1
-                    counts.bytes += len(payload)
-                    await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
+                async for got in rows:
+                    messages = [_message(cfg, row) for row in got]
+                    counts.rows += len(messages)
+                    counts.bytes += sum(len(m[1]) for m in messages)
+                    if pacer.interval:
+                        for subject, payload, headers, msg_id in messages:
+                            await pacer.wait()
+                            await pub.publish(subject, payload, headers=headers, msg_id=msg_id)
+                    else:
+                        await pub.publish_many(messages)
             counts.stored, counts.duplicates = pub.stats.stored, pub.stats.duplicates
             counts.retries, counts.errors = pub.stats.retries, pub.stats.errors[:20]
             if pub.stats.failed:
@@ -884,7 +891,7 @@ def _added(
 
 
 async def _write_ordered(
-    nc: Any, w: Wire, cfg: WriteConfig, rows: AsyncIterator[tuple[Any, ...]], counts: WriteCounts
+    nc: Any, w: Wire, cfg: WriteConfig, rows: AsyncIterator[list[tuple[Any, ...]]], counts: WriteCounts
 ) -> None:
     """Pipelined publishes on `w`, each expecting its predecessor as the stream's last message
     (stream info on `nc`).
@@ -947,13 +954,14 @@ async def _write_ordered(
             if stalled:  # a leader election refuses quick attempts: back off (5.5 s before the 10th)
                 await asyncio.sleep(min(1.0, 0.05 * 2 ** (stalled - 1)))
 
-    async for row in rows:
-        message = _message(cfg, row)
-        counts.rows += 1
-        counts.bytes += len(message[1])
-        pending.append(message)
-        if len(pending) >= max(20_000, 10 * cfg.window):  # a resync point per chunk, not per window
-            await drain()
+    async for got in rows:
+        for row in got:
+            message = _message(cfg, row)
+            counts.rows += 1
+            counts.bytes += len(message[1])
+            pending.append(message)
+            if len(pending) >= max(20_000, 10 * cfg.window):  # a resync point per chunk, not per window
+                await drain()
     await drain()
 
 
