@@ -5,7 +5,8 @@ fails the caller during a leader election. :class:`Publisher` keeps a window of
 in-flight publishes, re-sends any publish whose ack has not arrived within
 ``ack_timeout`` under the **same** ``Nats-Msg-Id`` (the stream drops the
 duplicate and acks with the original sequence), and gives up only after
-``give_up_after`` seconds. Applications use :func:`publish` for one message or
+``give_up_after`` seconds (without an answer: a leader that says it holds the id
+"in process" is waited for). Applications use :func:`publish` for one message or
 :class:`Publisher` for many::
 
     async with Publisher(nc) as pub:
@@ -40,6 +41,10 @@ from ferry.pipeline._nats import encode_headers
 __all__ = ["Ack", "BatchPublisher", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
 
 MSG_ID = "Nats-Msg-Id"
+# "duplicate message id is in process": the leader proposed a message with this id and has not stored it.
+# A leader that lost proposals in an election can keep their ids so until the stream's duplicate window
+# passes (nats-server 2.14-2.15), so it is sent again until stored or known, however long that takes.
+_IN_PROCESS = 10158
 SOURCE_HDR = "Ferry-Source"  # what ferry's data plane adds to a copy: where it came from
 SOURCE_SEQ_HDR = "Ferry-Source-Seq"
 # what a replication relay adds (ferry replicate): the site, stream and sequence a message was first stored at
@@ -235,8 +240,10 @@ class Publisher:
             return
         err = resp.get("error")
         if err:
-            code = err.get("code", 0)
-            if code in self.retry_codes:
+            if err.get("err_code") == _IN_PROCESS:  # the leader is there: wait for it, don't give up
+                p.first_sent = time.monotonic()
+                return  # the reaper sends it again after ack_timeout
+            if err.get("code", 0) in self.retry_codes:
                 return
             p.ack.error = err.get("description", str(err))
             p.ack.err_code = err.get("err_code", 0)
@@ -299,17 +306,25 @@ class BatchPublisher:
     whose ``count`` says how many were. A refused or lost message ends the batch
     early, with such a PubAck.
 
-    Recovery is re-sending, as :class:`Publisher` does: whatever no ack has
-    confirmed is published again under its ``Nats-Msg-Id`` in a new batch (the
-    stream drops what it already holds) when the batch ended early, when the
-    stream no longer knows it (it forgets a batch idle for 10 s), and when neither
-    a flow ack nor the answer to a ping came within ``ack_timeout``. A message the
-    stream refuses as the first of a batch fails; one without an ack for
-    ``give_up_after`` seconds fails. The stream drops a re-sent message it already
-    holds without saying so, so ``stats.stored`` counts it as stored (and
-    ``stats.duplicates`` stays 0). With ``stop_on_refusal`` a refused message
-    raises :class:`PublishError` (its ``err_code`` in ``fields``) from the next
-    ``publish`` or ``flush`` instead: what a writer that keeps order needs.
+    Recovery: whatever no ack confirmed is published again under its
+    ``Nats-Msg-Id`` when the batch ended early, when the stream no longer knows it
+    (it forgets a batch idle for 10 s), and when neither a flow ack nor the answer
+    to a ping came within ``ack_timeout``; then a new batch goes on. The re-sends
+    go one publish each through a :class:`Publisher`, not in the new batch: a
+    batch counts a message whose id the leader holds "in process" as stored, and
+    a leader that lost proposals in an election can hold their ids so until the
+    stream's duplicate window passes (nats-server 2.14-2.15), so in a batch a
+    re-sent message could be acked and never stored (the lab saw 76-230 such
+    messages when leadership came back within seconds). A single publish is
+    refused with 10158 instead and sent again. As with :class:`Publisher`, a
+    message sent again can be stored after later ones (the ordered writer keeps
+    order with ``Nats-Expected-Last-Sequence``). The stream drops a re-sent message
+    it already holds, so ``stats.stored`` counts it as stored (and
+    ``stats.duplicates`` stays 0). A message the stream refuses as the first of a
+    batch or when sent again fails; one without an ack for ``give_up_after``
+    seconds fails. With ``stop_on_refusal`` a refused message raises
+    :class:`PublishError` (its ``err_code`` in ``fields``) from the next ``publish``
+    or ``flush`` instead: what a writer that keeps order needs.
     """
 
     def __init__(
@@ -409,7 +424,7 @@ class BatchPublisher:
         self._write(q.subject, self._sent, 0 if self._sent == 1 else 1, q.header, q.payload)
 
     def _restart(self) -> None:
-        """A new batch, with every unconfirmed message sent again first."""
+        """A new batch."""
         self._batch = secrets.token_hex(8)
         self._reply_to = f"{self._inbox}.{self._batch}.{_FLOW}.fail".encode()
         self._sent = self._acked = 0
@@ -417,10 +432,28 @@ class BatchPublisher:
         self._committed = False
         self._ended_at = None
         self._progress, self._pinged = time.monotonic(), 0.0
-        again, self._unacked = self._unacked, deque()
+
+    async def _resend(self, again: deque[_Queued]) -> None:
+        """Publish what an ended batch did not confirm again, one publish each, in order."""
         self.stats.retries += len(again)
-        for q in again:
-            self._send(q)
+        give_up = max(self.ack_timeout, self.give_up_after - (time.monotonic() - again[0].first_sent))
+        # all at once: a message held back behind ids "in process" would go out once the window that
+        # drops it as a duplicate has passed
+
+        def refused(ack: Ack) -> None:
+            if ack.error and self.stop_on_refusal and not self._fatal:
+                self._fatal = PublishError(ack.error, subject=ack.subject, err_code=ack.err_code)
+
+        async with Publisher(
+            self.nc, window=len(again), ack_timeout=self.ack_timeout, give_up_after=give_up, on_ack=refused
+        ) as pub:
+            for q in again:
+                await pub.publish(q.subject.decode(), q.payload, headers=q.header or None)
+        self.stats.stored += pub.stats.stored + pub.stats.duplicates
+        self.stats.retries += pub.stats.retries
+        if not self.stop_on_refusal:
+            self.stats.failed += pub.stats.failed
+            self.stats.errors += pub.stats.errors[: 100 - len(self.stats.errors)]
 
     def _end(self, delay: float = 0.0) -> None:
         if self._ended_at is None:
@@ -489,7 +522,12 @@ class BatchPublisher:
             raise self._fatal
         now = time.monotonic()
         if self._ended_at is not None and now >= self._ended_at:
-            self._restart()
+            again, self._unacked = self._unacked, deque()
+            self._restart()  # first: the ended batch's late replies are not this batch's
+            if again:
+                await self._resend(again)
+                if self._fatal:
+                    raise self._fatal
             return
         self._changed.clear()
         with contextlib.suppress(TimeoutError):

@@ -11,7 +11,7 @@ import pytest
 
 from ferry import lab
 from ferry.brokers import nats as bnats
-from ferry.errors import ConfigError
+from ferry.errors import BrokerUnavailable, ConfigError
 from ferry.pipeline._nats import wire
 from ferry.pipeline.jetstream import WriteConfig, write_rows
 from ferry.publish import BatchPublisher
@@ -54,7 +54,9 @@ async def test_a_refused_message_fails_alone_and_the_rest_is_stored_in_order(sup
 
 async def test_leader_changes_mid_batch_lose_and_duplicate_nothing(supercluster: lab.LabState) -> None:
     topo = profile_topology(supercluster)
-    await make_stream(topo, "east", "FB3", ["fb3.>"], placement="east", allow_batched=True)
+    # ids a leader lost in an election stay "in process" there until the duplicate window passes: a
+    # short window keeps the publisher's wait for them short
+    await make_stream(topo, "east", "FB3", ["fb3.>"], placement="east", allow_batched=True, duplicate_window=5)
 
     async def stepdowns() -> int:
         done = 0
@@ -163,3 +165,21 @@ async def test_an_ordered_batched_write_keeps_sequence_order_through_leader_chan
     assert counts.stored == n
     assert counts.retries > 0, counts  # the leader changes did cut batches short
     assert _ids(await read_stream(topo, "east", "FB5")) == list(range(n)), "out of order, lost or stored twice"
+
+
+async def test_a_failing_message_handler_closes_the_connection_with_its_reason(supercluster: lab.LabState) -> None:
+    """A bug in a subscriber's callback must not leave the data plane's connection open and unread
+    (a publisher once waited minutes for acks that nobody read)."""
+    topo = profile_topology(supercluster)
+    async with wire(topo.nats("east"), "east") as w:
+
+        def broken(msg: Any) -> None:
+            raise IndexError("pop from an empty deque")
+
+        await w.subscribe("fbx.broken", cb=broken)
+        await w.publish("fbx.broken", b"x")  # delivered back to this connection
+        async with asyncio.timeout(10):
+            while w.is_connected:
+                await asyncio.sleep(0.01)
+        with pytest.raises(BrokerUnavailable, match="message handler failed: IndexError"):
+            w.publish_raw(b"fbx.other", b"", b"", b"x")

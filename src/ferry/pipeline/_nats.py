@@ -128,6 +128,7 @@ class Wire:
         self._task: asyncio.Task[None] | None = None
         self._connected = False
         self._closed = False
+        self._error = "closed"  # why, once closed
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
         # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
@@ -192,7 +193,7 @@ class Wire:
         if self.is_connected:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
-            raise BrokerUnavailable(f"{self.name}: not connected ({'closed' if self._closed else 'buffer full'})")
+            raise BrokerUnavailable(f"{self.name}: not connected ({self._error if self._closed else 'buffer full'})")
         else:
             self._held.append(data)
             self._held_size += len(data)
@@ -255,8 +256,12 @@ class Wire:
             self._connected = True
             if not first.done():
                 first.set_result(None)
-            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            try:
                 await self._read_loop(reader)
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            except Exception as exc:  # a subscriber's callback failed (a bug): fail what follows, don't hang
+                self._closed, self._error = True, f"a message handler failed: {type(exc).__name__}: {exc}"
             self._connected = False
             self.server_name = self.server_cluster = ""
             self._out.clear()
