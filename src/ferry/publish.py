@@ -5,8 +5,8 @@ fails the caller during a leader election. :class:`Publisher` keeps a window of
 in-flight publishes, re-sends any publish whose ack has not arrived within
 ``ack_timeout`` under the **same** ``Nats-Msg-Id`` (the stream drops the
 duplicate and acks with the original sequence), and gives up only after
-``give_up_after`` seconds (without an answer: a leader that says it holds the id
-"in process" is waited for). Applications use :func:`publish` for one message or
+``give_up_after`` seconds (twice that for a message whose id the leader says it
+holds "in process", see ``_IN_PROCESS``). Applications use :func:`publish` for one message or
 :class:`Publisher` for many::
 
     async with Publisher(nc) as pub:
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections import deque
@@ -35,15 +36,18 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from ferry.errors import ConfigError, FerryError
+from ferry.errors import BrokerUnavailable, ConfigError, FerryError
 from ferry.pipeline._nats import encode_headers
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Ack", "BatchPublisher", "Pacer", "PublishError", "PublishStats", "Publisher", "publish"]
 
 MSG_ID = "Nats-Msg-Id"
 # "duplicate message id is in process": the leader proposed a message with this id and has not stored it.
 # A leader that lost proposals in an election can keep their ids so until the stream's duplicate window
-# passes (nats-server 2.14-2.15), so it is sent again until stored or known, however long that takes.
+# (2 minutes unless configured) passes (nats-server 2.14-2.15), so such a message is sent again until
+# stored or known, for up to twice give_up_after.
 _IN_PROCESS = 10158
 SOURCE_HDR = "Ferry-Source"  # what ferry's data plane adds to a copy: where it came from
 SOURCE_SEQ_HDR = "Ferry-Source-Seq"
@@ -82,6 +86,7 @@ class PublishStats:
     duplicates: int = 0  # duplicate ack on the first attempt: the stream already had it
     retries: int = 0
     failed: int = 0
+    in_process: int = 0  # messages the leader said it held "in process" (see _IN_PROCESS)
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,6 +101,12 @@ class _Pending:
     ack: Ack
     first_sent: float
     sent: float
+    in_process: bool = False  # the leader said it holds the id "in process": wait longer
+
+
+def _closed(nc: Any) -> str:
+    """Why `nc` is closed for good ("" while it is open or reconnecting)."""
+    return (getattr(nc, "error", "") or "connection closed") if nc.is_closed else ""
 
 
 def _tick(ack_timeout: float) -> float:
@@ -240,8 +251,15 @@ class Publisher:
             return
         err = resp.get("error")
         if err:
-            if err.get("err_code") == _IN_PROCESS:  # the leader is there: wait for it, don't give up
-                p.first_sent = time.monotonic()
+            if err.get("err_code") == _IN_PROCESS:
+                if not self.stats.in_process:
+                    log.warning(
+                        "%s: the stream's leader holds message ids 'in process' (proposals a "
+                        "leader change lost?): sending them again until stored",
+                        p.subject,
+                    )
+                self.stats.in_process += not p.in_process
+                p.in_process = True
                 return  # the reaper sends it again after ack_timeout
             if err.get("code", 0) in self.retry_codes:
                 return
@@ -263,8 +281,9 @@ class Publisher:
             for token, p in overdue:
                 if self._pending.get(token) is not p:
                     continue
-                if now - p.first_sent >= self.give_up_after:
-                    p.ack.error = p.ack.error or f"no ack within {self.give_up_after:.0f}s"
+                limit = self.give_up_after * (2 if p.in_process else 1)
+                if now - p.first_sent >= limit or _closed(self.nc):
+                    p.ack.error = _closed(self.nc) or p.ack.error or f"no ack within {limit:.0f}s"
                     self._finish(token, p)
                     continue
                 if not self.nc.is_connected:
@@ -316,7 +335,11 @@ class BatchPublisher:
     stream's duplicate window passes (nats-server 2.14-2.15), so in a batch a
     re-sent message could be acked and never stored (the lab saw 76-230 such
     messages when leadership came back within seconds). A single publish is
-    refused with 10158 instead and sent again. As with :class:`Publisher`, a
+    refused with 10158 instead and sent again. What this cannot catch: a message
+    sent for the first time in a batch whose id the leader holds "in process"
+    from an earlier publisher (a retried Spark task, say) whose proposal a leader
+    change lost within the duplicate window; the ordered writer notices it by the
+    stream's last sequence, the others do not. As with :class:`Publisher`, a
     message sent again can be stored after later ones (the ordered writer keeps
     order with ``Nats-Expected-Last-Sequence``). The stream drops a re-sent message
     it already holds, so ``stats.stored`` counts it as stored (and
@@ -445,12 +468,19 @@ class BatchPublisher:
                 self._fatal = PublishError(ack.error, subject=ack.subject, err_code=ack.err_code)
 
         async with Publisher(
-            self.nc, window=len(again), ack_timeout=self.ack_timeout, give_up_after=give_up, on_ack=refused
+            self.nc,
+            window=len(again),
+            ack_timeout=self.ack_timeout,
+            give_up_after=give_up,
+            on_ack=refused,
+            retry_codes=self.retry_codes,
         ) as pub:
             for q in again:
                 await pub.publish(q.subject.decode(), q.payload, headers=q.header or None)
+        self._progress = time.monotonic()  # the new batch's ack deadline starts now
         self.stats.stored += pub.stats.stored + pub.stats.duplicates
         self.stats.retries += pub.stats.retries
+        self.stats.in_process += pub.stats.in_process
         if not self.stop_on_refusal:
             self.stats.failed += pub.stats.failed
             self.stats.errors += pub.stats.errors[: 100 - len(self.stats.errors)]
@@ -461,7 +491,7 @@ class BatchPublisher:
         self._changed.set()
 
     def _confirm(self, seq: int) -> None:
-        n = min(seq, self._sent) - self._acked
+        n = min(min(seq, self._sent) - self._acked, len(self._unacked))
         if n <= 0:
             return
         for _ in range(n):
@@ -518,6 +548,8 @@ class BatchPublisher:
 
     async def _wait(self) -> None:
         """Until something changed (or a tick passed); restart an ended or stalled batch."""
+        if not self._fatal and _closed(self.nc):
+            self._fatal = BrokerUnavailable(f"{getattr(self.nc, 'name', 'nats')}: {_closed(self.nc)}")
         if self._fatal:
             raise self._fatal
         now = time.monotonic()

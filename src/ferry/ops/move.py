@@ -980,7 +980,7 @@ async def reconcile(
                 headers = {k: v for k, v in (m["headers"] or []) if not k.startswith("Nats-Expected")}
                 headers[REINJECTED] = st["move_id"]
                 await pub.publish(m["subject"], m["payload"], headers=headers, msg_id=headers.get(MSG_ID))
-            stats = await pub.flush(timeout=120)
+            stats = await pub.flush()  # the publisher gives up on what it cannot store
         if stats.failed:
             raise FerryError(f"re-publishing {len(rows)} missed messages: {stats.failed} failed ({stats.errors[:1]})")
         reinjected, already = stats.stored, stats.duplicates

@@ -128,7 +128,7 @@ class Wire:
         self._task: asyncio.Task[None] | None = None
         self._connected = False
         self._closed = False
-        self._error = "closed"  # why, once closed
+        self.error = ""  # why it closed, when not by close()
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
         # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
@@ -157,6 +157,10 @@ class Wire:
     @property
     def is_connected(self) -> bool:
         return self._connected and not self._closed
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     def new_inbox(self) -> str:
         return f"{self._inbox}.{secrets.token_hex(6)}"
@@ -193,7 +197,8 @@ class Wire:
         if self.is_connected:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
-            raise BrokerUnavailable(f"{self.name}: not connected ({self._error if self._closed else 'buffer full'})")
+            why = (self.error or "closed") if self._closed else "buffer full"
+            raise BrokerUnavailable(f"{self.name}: not connected ({why})")
         else:
             self._held.append(data)
             self._held_size += len(data)
@@ -260,8 +265,8 @@ class Wire:
                 await self._read_loop(reader)
             except (OSError, asyncio.IncompleteReadError):
                 pass
-            except Exception as exc:  # a subscriber's callback failed (a bug): fail what follows, don't hang
-                self._closed, self._error = True, f"a message handler failed: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # a bug (a subscriber's callback, the parser): fail what follows, don't hang
+                self._closed, self.error = True, f"reading failed: {type(exc).__name__}: {exc}"
             self._connected = False
             self.server_name = self.server_cluster = ""
             self._out.clear()
