@@ -339,7 +339,7 @@ class BatchPublisher:
     sent for the first time in a batch whose id the leader holds "in process"
     from an earlier publisher (a retried Spark task, say) whose proposal a leader
     change lost within the duplicate window; the ordered writer notices it by the
-    stream's last sequence, the others do not. As with :class:`Publisher`, a
+    stream's last sequence (and goes on one publish at a time), the others do not. As with :class:`Publisher`, a
     message sent again can be stored after later ones (the ordered writer keeps
     order with ``Nats-Expected-Last-Sequence``). The stream drops a re-sent message
     it already holds, so ``stats.stored`` counts it as stored (and

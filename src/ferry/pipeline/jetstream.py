@@ -918,7 +918,9 @@ async def _write_ordered(
         nonlocal base, pending, stalled
         while pending:
             failures.clear()
-            pub = _publisher(w, cfg, on_failure=failures.append)
+            # after an attempt that stored nothing, one publish at a time: a batch takes an id that the
+            # leader holds "in process" (its proposal lost in a leader change) for stored; a publish waits
+            pub = _publisher(w, replace(cfg, batched=False) if stalled else cfg, on_failure=failures.append)
             sent = 0
             try:
                 async with pub:
