@@ -6,8 +6,8 @@ in-flight publishes, re-sends any publish whose ack has not arrived within
 ``ack_timeout`` under the **same** ``Nats-Msg-Id`` (the stream drops the
 duplicate and acks with the original sequence), and gives up only after
 ``give_up_after`` seconds (twice that for a message whose id the leader says it
-holds "in process", see ``_IN_PROCESS``). Applications use :func:`publish` for one message or
-:class:`Publisher` for many::
+holds "in process", see ``_IN_PROCESS``). Applications use :func:`publish` for
+one message or :class:`Publisher` for many::
 
     async with Publisher(nc) as pub:
         for i in range(10_000):
@@ -278,12 +278,13 @@ class Publisher:
             await asyncio.sleep(tick)
             now = time.monotonic()
             overdue = [(t, p) for t, p in self._pending.items() if now - p.sent >= self.ack_timeout]
+            closed = _closed(self.nc)
             for token, p in overdue:
                 if self._pending.get(token) is not p:
                     continue
                 limit = self.give_up_after * (2 if p.in_process else 1)
-                if now - p.first_sent >= limit or _closed(self.nc):
-                    p.ack.error = _closed(self.nc) or p.ack.error or f"no ack within {limit:.0f}s"
+                if now - p.first_sent >= limit or closed:
+                    p.ack.error = closed or p.ack.error or f"no ack within {limit:.0f}s"
                     self._finish(token, p)
                     continue
                 if not self.nc.is_connected:
@@ -339,11 +340,11 @@ class BatchPublisher:
     sent for the first time in a batch whose id the leader holds "in process"
     from an earlier publisher (a retried Spark task, say) whose proposal a leader
     change lost within the duplicate window; the ordered writer notices it by the
-    stream's last sequence (and goes on one publish at a time), the others do not. As with :class:`Publisher`, a
-    message sent again can be stored after later ones (the ordered writer keeps
-    order with ``Nats-Expected-Last-Sequence``). The stream drops a re-sent message
-    it already holds, so ``stats.stored`` counts it as stored (and
-    ``stats.duplicates`` stays 0). A message the stream refuses as the first of a
+    stream's last sequence (and goes on one publish at a time), the others do not.
+    As with :class:`Publisher`, a message sent again can be stored after later
+    ones (the ordered writer keeps order with ``Nats-Expected-Last-Sequence``).
+    The stream drops a re-sent message it already holds, so ``stats.stored``
+    counts it as stored (and ``stats.duplicates`` stays 0). A message the stream refuses as the first of a
     batch or when sent again fails; one without an ack for ``give_up_after``
     seconds fails. With ``stop_on_refusal`` a refused message raises
     :class:`PublishError` (its ``err_code`` in ``fields``) from the next ``publish``
@@ -460,8 +461,6 @@ class BatchPublisher:
         """Publish what an ended batch did not confirm again, one publish each, in order."""
         self.stats.retries += len(again)
         give_up = max(self.ack_timeout, self.give_up_after - (time.monotonic() - again[0].first_sent))
-        # all at once: a message held back behind ids "in process" would go out once the window that
-        # drops it as a duplicate has passed
 
         def refused(ack: Ack) -> None:
             if ack.error and self.stop_on_refusal and not self._fatal:
@@ -469,6 +468,8 @@ class BatchPublisher:
 
         async with Publisher(
             self.nc,
+            # all at once: a message held back behind ids "in process" would go out once the window
+            # that drops it as a duplicate has passed
             window=len(again),
             ack_timeout=self.ack_timeout,
             give_up_after=give_up,
@@ -548,8 +549,8 @@ class BatchPublisher:
 
     async def _wait(self) -> None:
         """Until something changed (or a tick passed); restart an ended or stalled batch."""
-        if not self._fatal and _closed(self.nc):
-            self._fatal = BrokerUnavailable(f"{getattr(self.nc, 'name', 'nats')}: {_closed(self.nc)}")
+        if not self._fatal and (closed := _closed(self.nc)):
+            self._fatal = BrokerUnavailable(f"{self.nc.name}: {closed}")
         if self._fatal:
             raise self._fatal
         now = time.monotonic()
