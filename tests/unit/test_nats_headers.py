@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from ferry.pipeline._nats import Msg, encode_headers, header_value, parse_headers
-from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, _message, read_rows
+from ferry.pipeline.jetstream import Range, ReadConfig, WriteConfig, _messages, read_rows
 
 keys = st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters=":"), min_size=1, max_size=20)
 values = st.text(st.characters(exclude_categories=("Cs", "Cc", "Zl", "Zp")), max_size=40).map(str.strip)
@@ -68,8 +68,8 @@ def test_a_received_header_block_is_published_as_its_parsed_headers_would_be(
 def assert_published_as_parsed(cfg: WriteConfig, block: bytes, seq: int) -> None:
     """`_message` of a row holding `block` as received publishes what it does for its parsed headers."""
     headers = parse_headers(block)
-    raw = _message(cfg, ("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), "east/S", seq))
-    parsed = _message(cfg, ("a.b", b"x", headers, headers.get("Nats-Msg-Id"), "east/S", seq))
+    raw = _messages(cfg)(("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), "east/S", seq))
+    parsed = _messages(cfg)(("a.b", b"x", headers, headers.get("Nats-Msg-Id"), "east/S", seq))
     assert raw[:2] == parsed[:2] and raw[3] == parsed[3]
     published = {**raw[2], "Nats-Msg-Id": raw[3]} if isinstance(raw[2], dict) else parse_headers(raw[2])
     assert published == {**parsed[2], "Nats-Msg-Id": parsed[3]}

@@ -81,11 +81,15 @@ def parse_headers(block: bytes) -> dict[str, str]:
 
 def header_value(block: bytes, key: bytes) -> str | None:
     """The first value of `key` in an encoded header block, without parsing the rest."""
-    at = block.find(b"\r\n" + key + b":")
+    line = _LINES.get(key) or _LINES.setdefault(key, b"\r\n" + key + b":")
+    at = block.find(line)
     if at < 0:
         return None
-    start = at + len(key) + 3
+    start = at + len(line)
     return block[start : block.index(b"\r\n", start)].decode(errors="replace").strip()
+
+
+_LINES: dict[bytes, bytes] = {}  # header_value's key -> how its line starts
 
 
 def encode_headers(headers: dict[str, str] | bytes) -> bytes:
@@ -181,20 +185,19 @@ class Wire:
             await self._writer.drain()
 
     def publish_raw(self, subject: bytes, reply: bytes, header: bytes, payload: bytes) -> None:
-        """Queue one message (header: an encoded block, or b""); while reconnecting, hold it (up to
-        HOLD_LIMIT bytes, then refuse it) and send it once connected again, as nats-py does."""
+        """Queue one message (header: an encoded block, or b""); see :meth:`send`."""
         if header:
-            data = b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
-                subject,
-                reply,
-                len(header),
-                len(header) + len(payload),
-                header,
-                payload,
+            self.send(
+                b"HPUB %s %s %d %d\r\n%s%s\r\n"
+                % (subject, reply, len(header), len(header) + len(payload), header, payload)
             )
         else:
-            data = b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload)
-        if self.is_connected:
+            self.send(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload))
+
+    def send(self, data: bytes) -> None:
+        """Queue one encoded PUB or HPUB; while reconnecting, hold it (up to HOLD_LIMIT bytes, then
+        refuse it) and send it once connected again, as nats-py does."""
+        if self._connected and not self._closed:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
             why = (self.error or "closed") if self._closed else "buffer full"

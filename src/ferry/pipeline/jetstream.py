@@ -509,7 +509,7 @@ class _Reader:
                     self.delivered = cseq
                     if seq < next_seq:
                         continue
-                    if m.raw is not None and b"Nats-Expected-" in m.raw:  # publish-time checks, not data
+                    if m.raw is not None and m.raw.find(b"Nats-Expected-") >= 0:  # publish-time checks, not data
                         headers = m.headers or {}
                         for directive in _EXPECTED:
                             headers.pop(directive, None)
@@ -604,7 +604,7 @@ async def read_rows(
         for m, seq, _ in got:
             raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
             if raw is not None:
-                if relayed or b"Ferry-Origin-Site" not in raw or ORIGIN_SITE_HDR not in (m.headers or {}):
+                if relayed or raw.find(b"Ferry-Origin-Site") < 0 or ORIGIN_SITE_HDR not in (m.headers or {}):
                     rows.append((m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq))
             else:
                 headers = m.headers or {}
@@ -778,10 +778,10 @@ async def write_rows(
                 await _write_ordered(nc, w, cfg, rows, counts)
         else:
             pub = _publisher(w, cfg)
-            pacer = Pacer(cfg.rate)
+            pacer, message = Pacer(cfg.rate), _messages(cfg)
             async with pub:
                 async for got in rows:
-                    messages = [_message(cfg, row) for row in got]
+                    messages = [message(row) for row in got]
                     counts.rows += len(messages)
                     counts.bytes += sum(len(m[1]) for m in messages)
                     if pacer.interval:
@@ -819,13 +819,61 @@ def _publisher(
     )
 
 
-def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[str, str] | bytes, str]:
-    """(subject, payload, headers, msg id) to publish for a row; the headers an encoded block
-    (carrying the msg id) when the row came with one that only needs lines added."""
+Message = tuple[str, bytes, dict[str, str] | bytes, str]
+
+
+def _messages(cfg: WriteConfig) -> Callable[[tuple[Any, ...]], Message]:
+    """What to publish for a row under `cfg`: (subject, payload, headers, msg id). A row that came
+    with a header block that only needs lines added keeps it, with the lines (made once per
+    source here) added; else the headers are parsed and encoded again."""
+    prefix = cfg.subject_prefix
+    expect = f"Nats-Expected-Stream: {cfg.stream}\r\n".encode() if cfg.stream else b""
+    lines: dict[str | None, tuple[bytes, bytes]] = {}  # per source: what goes before the sequence
+
+    def message(row: tuple[Any, ...]) -> Message:
+        subject, payload, block, msg_id, source, seq = row
+        if not isinstance(block, bytes) or seq is None:
+            return _parsed(cfg, row)
+        # the block publishes what its parsed headers would if its msg id (if any) is one plain line,
+        # its keys have no spaces around the ones read here, there are no Ferry-Source lines to
+        # replace, and it ends as usual (find, not `in`: on bytes it costs half as much)
+        relayed = block.find(b"Ferry-Origin-Site") >= 0
+        if (
+            not block.endswith(b"\r\n\r\n")
+            or msg_id == ""
+            or block.count(b"Nats-Msg-Id") != (0 if msg_id is None else 1)
+            or (relayed and block.find(_ORIGIN_SITE_LINE) < 0)
+            or (cfg.origin_headers and block.find(b"Ferry-Source") >= 0)
+        ):
+            return _parsed(cfg, row)
+        if source not in lines:
+            stream = (source or "").partition("/")[2]
+            lines[source] = (
+                f"{SOURCE_HDR}: {source}\r\n{SOURCE_SEQ_HDR}: ".encode() if cfg.origin_headers and source else b"",
+                f"{ORIGIN_SITE_HDR}: {cfg.origin_site}\r\n{ORIGIN_STREAM_HDR}: {stream}\r\n{ORIGIN_SEQ_HDR}: ".encode()
+                if cfg.origin_site
+                else b"",
+            )
+        origin, site = lines[source]
+        block = block[:-2]
+        if origin:
+            block += b"%s%d\r\n" % (origin, seq)
+        if site and not relayed:
+            block += b"%s%d\r\n" % (site, seq)
+            if msg_id:
+                block += b"Ferry-Origin-Msg-Id: %s\r\n" % msg_id.encode()
+        if not msg_id:
+            msg_id = f"{source}:{seq}"
+            block += b"Nats-Msg-Id: %s\r\n" % msg_id.encode()
+        return prefix + subject, payload or b"", block + expect + b"\r\n", msg_id
+
+    return message
+
+
+def _parsed(cfg: WriteConfig, row: tuple[Any, ...]) -> Message:
+    """What :func:`_messages` publishes for a row, from its headers parsed (a dict)."""
     subject, payload, headers, msg_id, source, seq = row
     if isinstance(headers, bytes):
-        if _plain(cfg, headers, msg_id):
-            return _added(cfg, subject, payload, headers, msg_id, source, seq)
         headers = parse_headers(headers)
         msg_id = headers.get(MSG_ID)
     pairs = headers.items() if isinstance(headers, dict) else headers or ()
@@ -844,50 +892,11 @@ def _message(cfg: WriteConfig, row: tuple[Any, ...]) -> tuple[str, bytes, dict[s
     return cfg.subject_prefix + subject, payload or b"", hdrs, msg_id or f"{source}:{seq}"
 
 
-def _plain(cfg: WriteConfig, block: bytes, msg_id: str | None) -> bool:
-    """Whether lines added to `block` publish what its parsed headers would: its msg id (if any)
-    in one plain line, its keys without spaces around the ones ferry reads, no Ferry-Source lines
-    to replace, and the block's usual end."""
-    return (
-        block.endswith(b"\r\n\r\n")
-        and msg_id != ""
-        and block.count(b"Nats-Msg-Id") == (0 if msg_id is None else 1)
-        and (b"Ferry-Origin-Site" in block) == (_ORIGIN_SITE_LINE in block)
-        and not (cfg.origin_headers and b"Ferry-Source" in block)
-    )
-
-
 def _with(headers: dict[str, str] | bytes, key: str, value: str) -> dict[str, str] | bytes:
     """`headers` (a dict, or an encoded block) and key: value."""
     if isinstance(headers, bytes):
         return headers[:-2] + f"{key}: {value}\r\n\r\n".encode()
     return {**headers, key: value}
-
-
-def _added(
-    cfg: WriteConfig,
-    subject: str,
-    payload: bytes,
-    block: bytes,
-    msg_id: str | None,
-    source: str | None,
-    seq: int | None,
-) -> tuple[str, bytes, bytes, str]:
-    """What :func:`_message` publishes, as the received header block with the same lines added."""
-    add = ""
-    if cfg.origin_headers and source is not None and seq is not None:
-        add += f"{SOURCE_HDR}: {source}\r\n{SOURCE_SEQ_HDR}: {seq}\r\n"
-    if cfg.origin_site and _ORIGIN_SITE_LINE not in block:
-        stream = (source or "").partition("/")[2]
-        add += f"{ORIGIN_SITE_HDR}: {cfg.origin_site}\r\n{ORIGIN_STREAM_HDR}: {stream}\r\n{ORIGIN_SEQ_HDR}: {seq}\r\n"
-        if msg_id:
-            add += f"{ORIGIN_MSG_ID_HDR}: {msg_id}\r\n"
-    if cfg.stream:
-        add += f"Nats-Expected-Stream: {cfg.stream}\r\n"
-    if not msg_id:
-        msg_id = f"{source}:{seq}"
-        add += f"{MSG_ID}: {msg_id}\r\n"
-    return cfg.subject_prefix + subject, payload or b"", block[:-2] + add.encode() + b"\r\n", msg_id
 
 
 async def _write_ordered(
@@ -956,9 +965,10 @@ async def _write_ordered(
             if stalled:  # a leader election refuses quick attempts: back off (5.5 s before the 10th)
                 await asyncio.sleep(min(1.0, 0.05 * 2 ** (stalled - 1)))
 
+    make = _messages(cfg)
     async for got in rows:
         for row in got:
-            message = _message(cfg, row)
+            message = make(row)
             counts.rows += 1
             counts.bytes += len(message[1])
             pending.append(message)
