@@ -146,3 +146,19 @@ def test_the_wire_parses_messages_however_the_bytes_arrive(chunk: int) -> None:
     assert [(m.subject, m.reply, m.data, m.raw) for m in got] == want
     assert got[-1].headers == {"Status": "404", "Description": "No Messages"}
     assert sent == [b"PONG\r\n"] * (len(want) - 1)  # every PING answered
+
+
+def test_a_process_that_opens_a_wire_collects_young_objects_less_often() -> None:
+    import gc
+
+    from ferry.pipeline._nats import _collect_less
+
+    before = gc.get_threshold()
+    try:
+        cases = [((700, 10, 10), (10_000, 10, 10)), ((0, 5, 5), (0, 5, 5)), ((50_000, 3, 4), (50_000, 3, 4))]
+        for given, want in cases:
+            gc.set_threshold(*given)
+            _collect_less()
+            assert gc.get_threshold() == want
+    finally:
+        gc.set_threshold(*before)
