@@ -416,9 +416,8 @@ class BatchPublisher:
         a relay's list of messages)."""
         now = time.monotonic()
         for subject, payload, headers, msg_id in messages:
-            if self._ended_at is not None or self._sent - self._acked >= self._ahead:
-                while self._ended_at is not None or self._sent - self._acked >= self._ahead:
-                    await self._wait()
+            while self._ended_at is not None or self._sent - self._acked >= self._ahead:
+                await self._wait()
                 now = time.monotonic()
             if not isinstance(headers, bytes):
                 if msg_id:
@@ -445,28 +444,10 @@ class BatchPublisher:
             pass  # not connected and its buffer full: a gap, which ends the batch and is sent again
 
     def _send(self, q: _Queued) -> None:
-        """:meth:`_write` of the batch's next message (its HPUB made in one step: the hot path)."""
         self._sent += 1
         self._unacked.append(q)
-        self._last_subject, header, payload = q.subject, q.header, q.payload
-        if not header:
-            return self._write(q.subject, self._sent, 0 if self._sent == 1 else 1, header, payload)
-        try:  # noqa: SIM105 (as in _write)
-            self.nc.send(
-                b"HPUB %s %s.%d.%d.$FI %d %d\r\n%s%s\r\n"
-                % (
-                    q.subject,
-                    self._reply_to,
-                    self._sent,
-                    0 if self._sent == 1 else 1,
-                    len(header),
-                    len(header) + len(payload),
-                    header,
-                    payload,
-                )
-            )
-        except FerryError:
-            pass
+        self._last_subject = q.subject
+        self._write(q.subject, self._sent, 0 if self._sent == 1 else 1, q.header, q.payload)
 
     def _restart(self) -> None:
         """A new batch."""

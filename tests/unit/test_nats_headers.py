@@ -56,20 +56,21 @@ configs = st.builds(
 )
 
 
-@given(configs, row_headers, st.integers(1, 10**12))
+@given(configs, row_headers, st.integers(1, 10**12), st.sampled_from(["east/S", "", None]))
 def test_a_received_header_block_is_published_as_its_parsed_headers_would_be(
-    cfg: WriteConfig, headers: dict[str, str], seq: int
+    cfg: WriteConfig, headers: dict[str, str], seq: int, source: str | None
 ) -> None:
     """A copy passes a message's header block on with lines added instead of parsing and encoding
     it again: the headers it publishes are the same either way."""
-    assert_published_as_parsed(cfg, encode_headers(headers), seq)
+    assert_published_as_parsed(cfg, encode_headers(headers), seq, source)
 
 
-def assert_published_as_parsed(cfg: WriteConfig, block: bytes, seq: int) -> None:
-    """`_message` of a row holding `block` as received publishes what it does for its parsed headers."""
+def assert_published_as_parsed(cfg: WriteConfig, block: bytes, seq: int, source: str | None = "east/S") -> None:
+    """What is published for a row holding `block` as received is what is for its parsed headers."""
     headers = parse_headers(block)
-    raw = _messages(cfg)(("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), "east/S", seq))
-    parsed = _messages(cfg)(("a.b", b"x", headers, headers.get("Nats-Msg-Id"), "east/S", seq))
+    make = _messages(cfg)
+    raw = make(("a.b", b"x", block, header_value(block, b"Nats-Msg-Id"), source, seq))
+    parsed = make(("a.b", b"x", headers, headers.get("Nats-Msg-Id"), source, seq))
     assert raw[:2] == parsed[:2] and raw[3] == parsed[3]
     published = {**raw[2], "Nats-Msg-Id": raw[3]} if isinstance(raw[2], dict) else parse_headers(raw[2])
     assert published == {**parsed[2], "Nats-Msg-Id": parsed[3]}

@@ -197,19 +197,20 @@ class Wire:
             await self._writer.drain()
 
     def publish_raw(self, subject: bytes, reply: bytes, header: bytes, payload: bytes) -> None:
-        """Queue one message (header: an encoded block, or b""); see :meth:`send`."""
+        """Queue one message (header: an encoded block, or b""); while reconnecting, hold it (up to
+        HOLD_LIMIT bytes, then refuse it) and send it once connected again, as nats-py does."""
         if header:
-            self.send(
-                b"HPUB %s %s %d %d\r\n%s%s\r\n"
-                % (subject, reply, len(header), len(header) + len(payload), header, payload)
+            data = b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+                subject,
+                reply,
+                len(header),
+                len(header) + len(payload),
+                header,
+                payload,
             )
         else:
-            self.send(b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload))
-
-    def send(self, data: bytes) -> None:
-        """Queue one encoded PUB or HPUB; while reconnecting, hold it (up to HOLD_LIMIT bytes, then
-        refuse it) and send it once connected again, as nats-py does."""
-        if self._connected and not self._closed:
+            data = b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(payload), payload)
+        if self.is_connected:
             self._write(data)
         elif self._closed or self._held_size + len(data) > self.HOLD_LIMIT:
             why = (self.error or "closed") if self._closed else "buffer full"

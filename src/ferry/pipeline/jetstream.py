@@ -819,18 +819,19 @@ def _publisher(
     )
 
 
-Message = tuple[str, bytes, dict[str, str] | bytes, str]
+_Message = tuple[str, bytes, dict[str, str] | bytes, str]  # subject, payload, headers, msg id
 
 
-def _messages(cfg: WriteConfig) -> Callable[[tuple[Any, ...]], Message]:
+def _messages(cfg: WriteConfig) -> Callable[[tuple[Any, ...]], _Message]:
     """What to publish for a row under `cfg`: (subject, payload, headers, msg id). A row that came
     with a header block that only needs lines added keeps it, with the lines (made once per
     source here) added; else the headers are parsed and encoded again."""
     prefix = cfg.subject_prefix
     expect = f"Nats-Expected-Stream: {cfg.stream}\r\n".encode() if cfg.stream else b""
     lines: dict[str | None, tuple[bytes, bytes]] = {}  # per source: what goes before the sequence
+    origin_id, own_id = f"{ORIGIN_MSG_ID_HDR}: %s\r\n".encode(), f"{MSG_ID}: %s\r\n".encode()
 
-    def message(row: tuple[Any, ...]) -> Message:
+    def message(row: tuple[Any, ...]) -> _Message:
         subject, payload, block, msg_id, source, seq = row
         if not isinstance(block, bytes) or seq is None:
             return _parsed(cfg, row)
@@ -848,29 +849,29 @@ def _messages(cfg: WriteConfig) -> Callable[[tuple[Any, ...]], Message]:
             return _parsed(cfg, row)
         if source not in lines:
             stream = (source or "").partition("/")[2]
+            copied = f"{SOURCE_HDR}: {source}\r\n{SOURCE_SEQ_HDR}: "
+            relay = f"{ORIGIN_SITE_HDR}: {cfg.origin_site}\r\n{ORIGIN_STREAM_HDR}: {stream}\r\n{ORIGIN_SEQ_HDR}: "
             lines[source] = (
-                f"{SOURCE_HDR}: {source}\r\n{SOURCE_SEQ_HDR}: ".encode() if cfg.origin_headers and source else b"",
-                f"{ORIGIN_SITE_HDR}: {cfg.origin_site}\r\n{ORIGIN_STREAM_HDR}: {stream}\r\n{ORIGIN_SEQ_HDR}: ".encode()
-                if cfg.origin_site
-                else b"",
+                copied.encode() if cfg.origin_headers and source is not None else b"",
+                relay.encode() if cfg.origin_site else b"",
             )
-        origin, site = lines[source]
+        source_lines, site_lines = lines[source]
         block = block[:-2]
-        if origin:
-            block += b"%s%d\r\n" % (origin, seq)
-        if site and not relayed:
-            block += b"%s%d\r\n" % (site, seq)
+        if source_lines:
+            block += b"%s%d\r\n" % (source_lines, seq)
+        if site_lines and not relayed:
+            block += b"%s%d\r\n" % (site_lines, seq)
             if msg_id:
-                block += b"Ferry-Origin-Msg-Id: %s\r\n" % msg_id.encode()
+                block += origin_id % msg_id.encode()
         if not msg_id:
             msg_id = f"{source}:{seq}"
-            block += b"Nats-Msg-Id: %s\r\n" % msg_id.encode()
+            block += own_id % msg_id.encode()
         return prefix + subject, payload or b"", block + expect + b"\r\n", msg_id
 
     return message
 
 
-def _parsed(cfg: WriteConfig, row: tuple[Any, ...]) -> Message:
+def _parsed(cfg: WriteConfig, row: tuple[Any, ...]) -> _Message:
     """What :func:`_messages` publishes for a row, from its headers parsed (a dict)."""
     subject, payload, headers, msg_id, source, seq = row
     if isinstance(headers, bytes):
