@@ -82,15 +82,11 @@ def parse_headers(block: bytes) -> dict[str, str]:
 
 def header_value(block: bytes, key: bytes) -> str | None:
     """The first value of `key` in an encoded header block, without parsing the rest."""
-    line = _LINES.get(key) or _LINES.setdefault(key, b"\r\n" + key + b":")
-    at = block.find(line)
+    at = block.find(b"\r\n" + key + b":")
     if at < 0:
         return None
-    start = at + len(line)
+    start = at + len(key) + 3
     return block[start : block.index(b"\r\n", start)].decode(errors="replace").strip()
-
-
-_LINES: dict[bytes, bytes] = {}  # header_value's key -> how its line starts
 
 
 def encode_headers(headers: dict[str, str] | bytes) -> bytes:
@@ -104,9 +100,11 @@ def encode_headers(headers: dict[str, str] | bytes) -> bytes:
 
 def _collect_less() -> None:
     """Python's cycle collector looks at the young objects every 700 new containers (objects,
-    tuples, lists); moving a message makes several, and nothing the data plane makes is cyclic.
-    Every 10,000 instead: a relay's Python moved a message in 5.4-5.6 µs instead of 6.1-6.3 (its
-    read task in-process on the lab). Set for the whole process that opens a Wire, once."""
+    tuples, lists); moving a message makes several, none of them part of a cycle. Every 10,000
+    instead: a relay's Python moved a message in 5.4-5.6 µs instead of 6.1-6.3 (its read task
+    in-process on the lab). Set once for the whole process that opens a Wire (a Spark worker,
+    which Spark reuses for later tasks, `ferry load`, `ferry move`'s guard); cyclic garbage lives
+    a little longer."""
     young, *older = gc.get_threshold()
     if 0 < young < 10_000:
         gc.set_threshold(10_000, *older)

@@ -917,7 +917,7 @@ async def _write_ordered(
     async def last_seq() -> int:
         return int((await while_electing(lambda: jsm.stream_info(cfg.stream), 60)).state.last_seq)
 
-    pending: list[tuple[str, bytes, dict[str, str] | bytes, str]] = []  # unconfirmed, in order
+    pending: list[_Message] = []  # unconfirmed, in order
     base = await last_seq()  # pending[0] expects `base`
     failures: list[Ack] = []
 
