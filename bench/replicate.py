@@ -8,8 +8,9 @@ streams in east take the same load in turn:
 - native: `BENCH_N` in east, and in west a stream `BENCH_N_W` that sources it (the
   server copies over the gateway).
 
-First, capacity: each source is loaded with a backlog of `--backlog` messages (300,000)
-before anything replicates it; then west's sourcing stream is created, and ferry's
+First, capacity: each source is loaded with a backlog of `--backlog` messages (1,000,000:
+two of the relay's micro-batches, so its idle time between them counts) before anything
+replicates it; then west's sourcing stream is created, and ferry's
 relay started, and each drains its backlog alone. Drain rate = backlog over the time
 from the first to the last message stored at west (server timestamps): the most each
 can move on this machine, without the load generator taking its share of the cores.
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--rates", default="2000,5000,10000,15000,20000,25000,30000,40000,50000")
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--producers", type=int, default=4, help="load generator connections")
-    parser.add_argument("--backlog", type=int, default=300_000, help="messages each mover drains first")
+    parser.add_argument("--backlog", type=int, default=1_000_000, help="messages each mover drains first")
     parser.add_argument("--quick", action="store_true", help="2,000 and 5,000 msg/s for 8 s; a 50,000 backlog")
     a = parser.parse_args()
     if a.quick:
