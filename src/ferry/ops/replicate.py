@@ -56,9 +56,10 @@ CONTROL = "ferry-relay"
 SCAN = 20_000  # relayed messages read back from the destination's end when resuming
 # messages per micro-batch (all streams). Between two micro-batches the relay idles about 0.13 s
 # (Spark ends one, plans the next, starts its task): a relay catching up pays that every 5 s or
-# so with 500,000 (a 1,000,000 backlog drained at 95,000-102,000 msg/s against 79,000-89,000
-# with 100,000, bench/RESULTS.md). A micro-batch's end is what `status` reports as relayed. When
-# the relay keeps up, a micro-batch holds what arrived since the last one, whatever the bound.
+# so with 500,000 (a 1,000,000 backlog drained at 82,000-102,000 msg/s, median 91,700, against
+# 79,000-89,000 with 100,000, bench/RESULTS.md). `status` reports a micro-batch's end as relayed,
+# so a relay catching up shows progress every few seconds. When it keeps up, a micro-batch holds
+# what arrived since the last one, whatever the bound.
 MAX_BATCH = 500_000
 TRIGGER = "200 milliseconds"
 PROGRESS_STALE = 10.0  # seconds: older progress of a live relay shows no current rate in `status`
