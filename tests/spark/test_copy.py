@@ -448,9 +448,14 @@ def test_progress_into_parquet_counts_what_the_source_readers_delivered(
             sub = await nc.jetstream().pull_subscribe(
                 "csrc.>", stream="CSRC", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
             )
-            got = 0
+            got, tries = 0, 0
             while got < n:
-                got += len(await sub.fetch(n - got, timeout=5))
+                try:
+                    got += len(await sub.fetch(n - got, timeout=5))
+                except nats.js.errors.ServiceUnavailableError:  # the new consumer's server not listening yet
+                    tries += 1
+                    assert tries < 50, "the consumer never answered a pull"
+                    await asyncio.sleep(0.1)
             for _ in range(50):  # at most 10 s
                 if seen[-1] == n:
                     break
