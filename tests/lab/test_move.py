@@ -181,23 +181,32 @@ def test_move_under_core_and_jetstream_load_loses_nothing(
     assert t["tier_messages"] == last == t["sent"]
 
 
-def test_the_guard_hears_every_server_once_started(supercluster: lab.LabState, tmp_path: Path) -> None:
+@pytest.mark.parametrize("near", ["east", "west", "west, a server without a URL"])
+def test_the_guard_hears_every_server_once_started(supercluster: lab.LabState, tmp_path: Path, near: str) -> None:
     """Once `Guard.start` returns, a message published at any server of either cluster reaches
-    it; a server ferry cannot connect to is left out of the check."""
+    it; a server ferry cannot connect to is left out of the check. A guard in the cluster that
+    leads the stream probes its own servers; one in another cluster probes every server, and
+    waits blindly only when it cannot (a server without a client URL)."""
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "GUARDED", ["guarded.>"], placement="east"))
-    east = topo.nats("east")
-    urls = east.urls + topo.nats("west").urls
-    gone = east.brokers[0].model_copy(update={"name": "gone", "url": f"nats://127.0.0.1:{free_ports(1)[0]}"})
-    listed = east.model_copy(update={"brokers": [*east.brokers, gone]})
+    east, west = topo.nats("east"), topo.nats("west")
+    urls = east.urls + west.urls
+    mine = east if near == "east" else west
+    gone = mine.brokers[0].model_copy(update={"name": "gone", "url": f"nats://127.0.0.1:{free_ports(1)[0]}"})
+    listed = mine.model_copy(update={"brokers": [*mine.brokers, gone]})
 
-    async def go() -> list[str]:
+    async def go() -> tuple[list[str], bool]:
         creds = east.credentials
         assert creds is not None
+        async with bnats.session(east, system=True) as sysnc:
+            servers = {n: {"cluster": s.cluster, "url": s.url} for n, s in (await mv.survey(sysnc)).servers.items()}
+        assert sorted(s["url"] for s in servers.values()) == sorted(urls)
+        if near.endswith("URL"):
+            servers["south-1"] = {"cluster": "south", "url": ""}
         producers = [await nats.connect(u, user=creds.user, password=creds.password()) for u in urls]
         guard = mv.Guard(listed, ["guarded.>"], tmp_path / "capture-test.arrow", flush_every=60)  # rows kept
         try:
-            await guard.start(led_in="east")
+            await guard.start(led_in="east", servers=servers)
             for i, nc in enumerate(producers):
                 await nc.publish(f"guarded.{i}", b"x")
                 await nc.flush()
@@ -209,9 +218,11 @@ def test_the_guard_hears_every_server_once_started(supercluster: lab.LabState, t
             await guard.stop()
             for nc in producers:
                 await nc.close()
-        return sorted(mv.read_captures(tmp_path)["subject"].to_pylist())
+        return sorted(mv.read_captures(tmp_path)["subject"].to_pylist()), guard.waited
 
-    assert asyncio.run(go()) == sorted(f"guarded.{i}" for i in range(len(urls)))
+    heard, waited = asyncio.run(go())
+    assert heard == sorted(f"guarded.{i}" for i in range(len(urls)))
+    assert waited == near.endswith("URL")
 
 
 def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:

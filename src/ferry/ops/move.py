@@ -126,6 +126,7 @@ class Server:
     tags: list[str]
     free: int  # bytes of file storage left
     offline: bool
+    url: str = ""  # where clients connect to it (VARZ); "" when it listens on every interface
 
 
 @dataclass
@@ -143,27 +144,43 @@ class View:
 
 
 async def survey(sysnc: Client, wait: float = 2.0) -> View:
-    """Every JetStream server's JSZ (via $SYS.REQ.SERVER.PING.JSZ), gathered until all meta peers answered."""
+    """Every JetStream server's JSZ and client URL ($SYS.REQ.SERVER.PING.JSZ and .VARZ), gathered
+    until all meta peers answered both."""
     got: list[dict] = []
+    urls: dict[str, str] = {}
     done = asyncio.Event()
     expected = [0]
 
-    async def on_reply(m: Msg) -> None:
+    def check() -> None:
+        if expected[0] and len(got) >= expected[0] and all(r["server"]["name"] in urls for r in got):
+            done.set()
+
+    async def on_jsz(m: Msg) -> None:
         with contextlib.suppress(ValueError):
             got.append(json.loads(m.data))
             size = ((got[-1].get("data") or {}).get("meta_cluster") or {}).get("cluster_size", 0)
             expected[0] = max(expected[0], size)
-            if expected[0] and len(got) >= expected[0]:
-                done.set()
+            check()
 
-    inbox = sysnc.new_inbox()
-    sub = await sysnc.subscribe(inbox, cb=on_reply)
+    async def on_varz(m: Msg) -> None:
+        with contextlib.suppress(ValueError, KeyError):
+            r = json.loads(m.data)
+            host, port = r["data"].get("host", ""), r["data"].get("port")
+            host = f"[{host}]" if ":" in host else host
+            urls[r["server"]["name"]] = f"nats://{host}:{port}" if port and host not in ("", "0.0.0.0", "[::]") else ""
+            check()
+
+    subs = []
     try:
-        await sysnc.publish("$SYS.REQ.SERVER.PING.JSZ", b"{}", reply=inbox)
+        for what, cb in (("JSZ", on_jsz), ("VARZ", on_varz)):
+            inbox = sysnc.new_inbox()
+            subs.append(await sysnc.subscribe(inbox, cb=cb))
+            await sysnc.publish(f"$SYS.REQ.SERVER.PING.{what}", b"{}", reply=inbox)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), wait)
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
     if not got:
         raise BrokerUnavailable("no JetStream server answered $SYS.REQ.SERVER.PING.JSZ")
     leader = ""
@@ -179,8 +196,9 @@ async def survey(sysnc: Client, wait: float = 2.0) -> View:
         si, d = r["server"], r.get("data") or {}
         cfg = d.get("config") or {}
         free = max(0, int(cfg.get("max_storage", 0)) - int(d.get("storage", 0)))
-        servers[si["name"]] = Server(
-            si["name"], si.get("cluster", ""), si.get("tags") or [], free, offline.get(si["name"], False)
+        name = si["name"]
+        servers[name] = Server(
+            name, si.get("cluster", ""), si.get("tags") or [], free, offline.get(name, False), urls.get(name, "")
         )
     return View(servers, leader)
 
@@ -448,14 +466,18 @@ class Guard:
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._sink: Any = None
         self._flusher: asyncio.Task[None] | None = None
+        self.waited = False  # whether start() waited blindly for gateway interest
 
-    async def start(self, led_in: str = "") -> None:
-        """Listen; return once every server of the cluster passes the subjects on to the guard.
+    async def start(self, led_in: str = "", servers: dict[str, dict[str, str]] | None = None) -> None:
+        """Listen; return once every server that may take a publish passes the subjects on to the guard.
 
         `led_in` names the NATS cluster that leads the stream: when the guard's server is in it,
         the other clusters' servers already send it the stream's subjects (the stream listens on
-        them there). Otherwise they learn the guard's interest through the gateways, which ferry
-        cannot ask: then it waits a further 0.3 s, as it does when its probe goes unheard.
+        them there). Otherwise they learn the guard's interest through the gateways: then each
+        server of the other clusters in `servers` (name -> cluster and client URL, as
+        :func:`survey` finds them) is probed too. When one of them cannot be (no URL, no
+        connection, no probe heard) or `servers` is not given, the guard waits until 0.3 s have
+        passed since it subscribed (`self.waited`), the time gateway interest took on the lab.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # messages: for ferry's user only
         self.path.touch(mode=0o600)
@@ -463,22 +485,30 @@ class Guard:
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
         try:
             self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
+            subscribed = time.monotonic()
             for s in self.subjects:
                 await self._conn.subscribe(s, self._on_msg)
-            if not await self._reached() or self._conn.server_cluster != led_in:
-                await asyncio.sleep(0.3)
+            own = self._conn.server_cluster
+            remote = [s["url"] for s in (servers or {}).values() if s["cluster"] != own]
+            checks = [self._reached(self.cluster.urls)]
+            if own != led_in:
+                checks.append(self._reached(remote, remote=True) if remote and all(remote) else asyncio.sleep(0, False))
+            self.waited = not all(await asyncio.gather(*checks))
+            if self.waited:
+                await asyncio.sleep(max(0.0, subscribed + 0.3 - time.monotonic()))
         except BaseException:
             await self.stop()
             raise
         self._flusher = asyncio.create_task(self._flush_loop())
 
-    async def _reached(self, timeout: float = 2.0) -> bool:
-        """Whether each server of the cluster routes the guard's subjects to it. A server passes a
-        connection's subscriptions on to the others in order, so a probe subject subscribed after
-        them (in the guard's inbox, which a user may subscribe to) is published from every server
-        until the guard hears it from each, for `timeout` seconds at most (a user may be denied
-        publishing there). A server ferry cannot connect to is left out (no producer reaches it
-        either)."""
+    async def _reached(self, urls: list[str], remote: bool = False, timeout: float = 2.0) -> bool:
+        """Whether each server at `urls` routes the guard's subjects to it. A server passes a
+        connection's subscriptions on to the others in order (to its routes and gateways), so a
+        probe subject subscribed after them (in the guard's inbox, which a user may subscribe to)
+        is published from every server until the guard hears it from each, for `timeout` seconds
+        at most (a user may be denied publishing there). A server of the guard's own cluster that
+        ferry cannot connect to is left out (no producer reaches it either); one of another
+        cluster (`remote`: another site's network, perhaps) fails the check, after 0.5 s at most."""
         assert self._conn is not None
         heard: set[str] = set()
         probe = self._conn.new_inbox()
@@ -487,9 +517,11 @@ class Guard:
 
         async def reach(url: str) -> bool:
             try:
-                w = await Wire.open(self.cluster, urls=[url], client_name="ferry-guard-probe", timeout=2)
+                w = await Wire.open(
+                    self.cluster, urls=[url], client_name="ferry-guard-probe", timeout=0.5 if remote else 2
+                )
             except BrokerUnavailable:
-                return True
+                return not remote
             try:
                 async with asyncio.timeout(timeout):
                     while url not in heard:
@@ -501,7 +533,7 @@ class Guard:
             finally:
                 await w.close()
 
-        return all(await asyncio.gather(*(reach(u) for u in self.cluster.urls)))
+        return all(await asyncio.gather(*(reach(u) for u in urls)))
 
     def _on_msg(self, m: WireMsg) -> None:
         r = self.rows
@@ -704,6 +736,7 @@ async def preflight(nc: Client, sysnc: Client, req: MoveRequest, resuming: bool 
         )
     plan["dest_servers"] = sorted(dest_names)
     plan["origin_servers"] = sorted(s.name for s in view.servers.values() if s.cluster == origin)
+    plan["servers"] = {s.name: {"cluster": s.cluster, "url": s.url} for s in view.servers.values()}
     return plan
 
 
@@ -812,8 +845,8 @@ async def move(
             guard = Guard(
                 cluster, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
             )
-            await guard.start(led_in=(info.get("cluster") or {}).get("name", ""))
-            emit("guard", subjects=info["config"]["subjects"], file=str(guard.path))
+            await guard.start(led_in=(info.get("cluster") or {}).get("name", ""), servers=plan.get("servers"))
+            emit("guard", subjects=info["config"]["subjects"], file=str(guard.path), waited=guard.waited)
         elif req.guard:
             emit(
                 "guard", subjects=[], note="the stream has no subjects of its own (mirror/sourced): nothing to capture"
