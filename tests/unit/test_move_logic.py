@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -18,6 +19,7 @@ from ferry.ops.move import (
     handoff_candidate,
     identity,
     missing,
+    read_captures,
     unavailable_window,
     verify,
 )
@@ -34,6 +36,25 @@ def captured(rows: list[tuple[str, dict[str, str] | None, bytes]]) -> pa.Table:
         },
         schema=CAPTURE_SCHEMA,
     )
+
+
+def test_captures_are_read_in_the_order_heard_across_files_and_a_torn_tail_is_dropped(tmp_path: Path) -> None:
+    def write(name: str, recv: list[int], torn: bool = False) -> None:
+        t = captured([("s", None, str(r).encode()) for r in recv]).set_column(0, "recv_ns", pa.array(recv, pa.int64()))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, CAPTURE_SCHEMA) as w:
+            for batch in t.to_batches(max_chunksize=2):
+                w.write_batch(batch)
+        data = sink.getvalue().to_pybytes()
+        (tmp_path / name).write_bytes(data[:-20] if torn else data)
+
+    write("capture-9-1.arrow", [1, 2, 3])
+    assert read_captures(tmp_path)["recv_ns"].to_pylist() == [1, 2, 3]
+    write("capture-10-2.arrow", [7, 8, 9, 10, 11], torn=True)  # a later run, sorted first by name; killed
+    write("capture-11-3.arrow", [4, 5, 6])  # heard between the two
+    got = read_captures(tmp_path)
+    assert got["recv_ns"].to_pylist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert got["payload"].to_pylist() == [str(r).encode() for r in range(1, 11)]
 
 
 def test_identity_uses_msg_id_else_content_and_ignores_the_reinjection_mark() -> None:
