@@ -598,18 +598,31 @@ def read_captures(directory: Path) -> pa.Table:
     return table
 
 
-async def stored_since(cluster: NatsCluster, stream: str, seq0: int, last: int) -> list[tuple[str, int]]:
-    """(identity, store time ns) of every message with seq0 < seq <= last."""
-    from ferry.pipeline.jetstream import Range, ReadConfig, pulled
+class Stored:
+    """Reads back what a stream stored, range after range, on one consumer: a range that starts
+    where the last one ended goes on with it, so reading the tail after the head sets up nothing."""
 
-    if last <= seq0:
-        return []
-    cfg = ReadConfig(cluster=cluster.model_dump_json(), name="move", streams=(stream,))
-    return [
-        (identity_of(m), ts_ns)
-        async for got in pulled(cfg, Range(stream, seq0 + 1, last, fetch=2000))
-        for m, _, ts_ns in got
-    ]
+    def __init__(self, cluster: NatsCluster, stream: str) -> None:
+        from ferry.pipeline.jetstream import ReadConfig
+
+        self.cfg = ReadConfig(cluster=cluster.model_dump_json(), name="move", streams=(stream,))
+        self.stream = stream
+        self._reader: Any = None
+
+    async def since(self, seq0: int, last: int) -> list[tuple[str, int]]:
+        """(identity, store time ns) of every message with seq0 < seq <= last."""
+        from ferry.pipeline.jetstream import Range, _read_ahead, _Reader
+
+        if last <= seq0:
+            return []
+        self._reader = self._reader or await _Reader.open(self.cfg, self.stream)
+        lists = _read_ahead(self._reader.lists(Range(self.stream, seq0 + 1, last, fetch=2000), keep=True))
+        async with contextlib.aclosing(lists):
+            return [(identity_of(m), ts_ns) async for got in lists for m, _, ts_ns in got]
+
+    async def close(self) -> None:
+        if self._reader:
+            await self._reader.close()
 
 
 def missing(captured: pa.Table, stored: list[tuple[str, int]]) -> tuple[list[int], dict[str, int]]:
@@ -999,15 +1012,18 @@ async def reconcile(
     stop_ns = time.time_ns()
     # what the stream holds now is read back while the captures are read and it settles, the rest after
     held = max(st["seq0"], (await stream_info(nc, stream))["state"]["last_seq"])
-    head = asyncio.ensure_future(stored_since(cluster, stream, st["seq0"], held))
+    reader = Stored(cluster, stream)
+    head = asyncio.ensure_future(reader.since(st["seq0"], held))
     try:
         captured = await asyncio.to_thread(read_captures, capture_dir)
         heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
         await _settle(nc, stream, stop_ns, heard_last)
         last = (await stream_info(nc, stream))["state"]["last_seq"]
-        stored = await head + await stored_since(cluster, stream, held, last)
+        stored = await head + await reader.since(held, last)
     finally:
         head.cancel()
+        await asyncio.gather(head, return_exceptions=True)  # off the reader before it closes
+        await reader.close()
     rows, first = missing(captured, stored)
     window = measured_window(captured, stored, first)
     reinjected = already = 0
