@@ -492,8 +492,9 @@ class Guard:
             own = self._conn.server_cluster
             remote = [s["url"] for s in (servers or {}).values() if s["cluster"] != own]
             checks = [self._reached(self.cluster.urls)]
-            if own != led_in:
-                checks.append(self._reached(remote, remote=True) if remote and all(remote) else asyncio.sleep(0, False))
+            if own != led_in:  # the other clusters learn of the guard through the gateways
+                probeable = bool(remote) and all(remote)  # a server without a client URL cannot be probed
+                checks.append(self._reached(remote, remote=True) if probeable else asyncio.sleep(0, False))
             self.waited = not all(await asyncio.gather(*checks))
             if self.waited:
                 await asyncio.sleep(max(0.0, subscribed + 0.3 - time.monotonic()))
@@ -523,6 +524,10 @@ class Guard:
                 )
             except BrokerUnavailable:
                 return not remote
+            except FerryError:  # another cluster's TLS or credentials, not the guard's: wait instead
+                if remote:
+                    return False
+                raise
             try:
                 async with asyncio.timeout(timeout):
                     while url not in heard:
