@@ -121,11 +121,8 @@ async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]
 async def window(topo: Topology, nc: Any, name: str, seq0: int, capture_dir: Path) -> dict[str, Any]:
     last = (await mv.stream_info(nc, name))["state"]["last_seq"]
     captured = mv.read_captures(capture_dir)
-    reader = mv.Stored(topo.nats("west"), name)
-    try:
+    async with mv.Stored(topo.nats("west"), name) as reader:
         stored = await reader.since(seq0, last)
-    finally:
-        await reader.close()
     rows, first = mv.missing(captured, stored)
     return {"unavailable_s": mv.measured_window(captured, stored, first), "missed": len(rows)}
 

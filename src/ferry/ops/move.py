@@ -625,7 +625,10 @@ class Stored:
         async with contextlib.aclosing(lists):
             return [(identity_of(m), ts_ns) async for got in lists for m, _, ts_ns in got]
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> Stored:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
         if self._reader:
             await self._reader.close()
 
@@ -1017,18 +1020,17 @@ async def reconcile(
     stop_ns = time.time_ns()
     # what the stream holds now is read back while the captures are read and it settles, the rest after
     held = max(st["seq0"], (await stream_info(nc, stream))["state"]["last_seq"])
-    reader = Stored(cluster, stream)
-    head = asyncio.ensure_future(reader.since(st["seq0"], held))
-    try:
-        captured = await asyncio.to_thread(read_captures, capture_dir)
-        heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
-        await _settle(nc, stream, stop_ns, heard_last)
-        last = (await stream_info(nc, stream))["state"]["last_seq"]
-        stored = await head + await reader.since(held, last)
-    finally:
-        head.cancel()
-        await asyncio.gather(head, return_exceptions=True)  # off the reader before it closes
-        await reader.close()
+    async with Stored(cluster, stream) as reader:
+        head = asyncio.ensure_future(reader.since(st["seq0"], held))
+        try:
+            captured = await asyncio.to_thread(read_captures, capture_dir)
+            heard_last = captured["recv_ns"][-1].as_py() if captured.num_rows else 0
+            await _settle(nc, stream, stop_ns, heard_last)
+            last = (await stream_info(nc, stream))["state"]["last_seq"]
+            stored = await head + await reader.since(held, last)
+        finally:
+            head.cancel()
+            await asyncio.gather(head, return_exceptions=True)  # off the reader before it closes
     rows, first = missing(captured, stored)
     window = measured_window(captured, stored, first)
     reinjected = already = 0
