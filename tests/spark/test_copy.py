@@ -258,6 +258,54 @@ def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_
     ]
 
 
+def test_ranges_read_as_the_stream_grows_get_every_message_up_to_their_end(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """A relay reads up to the last sequence the stream's leader reported a moment ago. The consumer's
+    server may not have that message yet (a follower stores after the leader), or not have counted
+    it as pending (the server counts after storing): its "no messages" must not end the range early.
+    Under 12,000 msg/s, ranges read right after the stream info, on one kept consumer: every one
+    holds every sequence up to its end. (Before the fix, 9-26 of 2,000 ranges ended early.)"""
+    from ferry.pipeline.jetstream import Range, _Reader
+
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "CTAIL", ["ctail.>"], placement="east"))
+    env = {**os.environ, "FERRY_TOPOLOGY": str(supercluster.path / "topology.yaml")}
+    args = ["load", "nats://east", "--subject", "ctail.{n}", "--rate", "12000", "--duration", "25"]
+    args += ["--no-msg-id", "--ledger", str(tmp_path / "ledger")]
+    load = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cfg = ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=("CTAIL",))
+
+    async def read() -> tuple[int, list[str]]:
+        reads, short = 0, []
+        reader = await _Reader.open(cfg, "CTAIL")
+        async with bnats.session(topo.nats("east")) as nc:
+            lo = 1
+            while load.poll() is None:
+                hi = (await nc.jsm().stream_info("CTAIL")).state.last_seq
+                if hi < lo:
+                    await asyncio.sleep(0.01)
+                    continue
+                seqs = [
+                    seq
+                    async for got in reader.lists(Range("CTAIL", lo, hi, fetch=1000), keep=True)
+                    for _, seq, _ in got
+                ]
+                if seqs != list(range(lo, hi + 1)):
+                    short.append(f"{lo}-{hi}: {len(seqs)} messages, the last {seqs[-1] if seqs else None}")
+                reads, lo = reads + 1, hi + 1
+        await reader.close()
+        return reads, short
+
+    try:
+        reads, short = asyncio.run(read())
+    finally:
+        _, stderr = load.communicate(timeout=120)
+    assert load.returncode == 0, stderr[-2000:]
+    assert reads > 500, f"only {reads} ranges read: the test did not test much"
+    assert not short, f"{len(short)} of {reads} ranges ended early: {short[:3]}"
+
+
 def test_a_sequence_range_copies_exactly_it_and_the_plan_counts_it(
     supercluster: lab.LabState, source_stream: str
 ) -> None:
