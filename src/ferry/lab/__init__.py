@@ -170,8 +170,9 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
         state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
         sites["sc"] = {"clusters": {c: lab_nats.topology_cluster(servers, c, sdir) for c in ("east", "west")}}
     elif profile == "sites":
+        planned = lab_nats.plan_servers({"nyc": 1, "sfo": 1})  # in one plan: no port handed out twice
         for site in ("nyc", "sfo"):
-            servers = lab_nats.plan_servers({site: 1})
+            servers = [s for s in planned if s.cluster == site]  # each site a cluster of its own
             state.nats.append([asdict(s) for s in servers])
             state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
             sites[site] = {"clusters": {site: lab_nats.topology_cluster(servers, site, sdir)}}
