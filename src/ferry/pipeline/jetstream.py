@@ -64,11 +64,12 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
@@ -471,12 +472,19 @@ class _Reader:
         a server counts what is pending for a consumer after storing, not at once. Measured at
         12,000 msg/s, ranges read right after the stream info said where they end: 26 of 2,000
         ended early on a follower's consumer, 9 of 2,000 on the leader's."""
+
+        def ask() -> Awaitable[Any]:
+            return self.nc.jsm(timeout=5).get_msg(self.stream, seq=seq, subject=self.cfg.subject or ">", next=True)
+
         try:
-            got = await self.nc.jsm(timeout=5).get_msg(self.stream, seq=seq, subject=self.cfg.subject or ">", next=True)
+            got = await while_electing(ask, 30)
         except NotFoundError:  # nothing from seq on
             return True
-        except (ServiceUnavailableError, NatsTimeout, TimeoutError):
-            return False  # no answer now: pull again (within the read's deadline), then ask again
+        except NatsError:
+            raise FerryError(
+                f"jetstream: {self.source}: no answer to $JS.API.STREAM.MSG.GET.{self.stream} in 30 s, which ferry "
+                "asks where a read ends (no stream leader, or the user may not publish to it)"
+            ) from None
         return (got.seq or 0) > hi
 
     async def _not_yet(self, seq: int, deadline: float) -> None:
