@@ -266,7 +266,7 @@ def test_ranges_read_as_the_stream_grows_get_every_message_up_to_their_end(
     it as pending (the server counts after storing): its "no messages" must not end the range early.
     Under 12,000 msg/s, ranges read right after the stream info, on one kept consumer: every one
     holds every sequence up to its end. (Before the fix, 9-26 of 2,000 ranges ended early.)"""
-    from ferry.pipeline.jetstream import Range, _Reader
+    from ferry.pipeline.jetstream import Range, Reader
 
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "CTAIL", ["ctail.>"], placement="east"))
@@ -278,7 +278,7 @@ def test_ranges_read_as_the_stream_grows_get_every_message_up_to_their_end(
 
     async def read() -> tuple[int, list[str]]:
         reads, short = 0, []
-        reader = await _Reader.open(cfg, "CTAIL")
+        reader = await Reader.open(cfg, "CTAIL")
         async with bnats.session(topo.nats("east")) as nc:
             lo = 1
             while load.poll() is None:

@@ -616,12 +616,12 @@ class Stored:
 
     async def since(self, seq0: int, last: int) -> list[tuple[str, int]]:
         """(identity, store time ns) of every message with seq0 < seq <= last."""
-        from ferry.pipeline.jetstream import Range, _read_ahead, _Reader
+        from ferry.pipeline.jetstream import Range, Reader, read_ahead
 
         if last <= seq0:
             return []
-        self._reader = self._reader or await _Reader.open(self.cfg, self.stream)
-        lists = _read_ahead(self._reader.lists(Range(self.stream, seq0 + 1, last, fetch=2000), keep=True))
+        self._reader = self._reader or await Reader.open(self.cfg, self.stream)
+        lists = read_ahead(self._reader.lists(Range(self.stream, seq0 + 1, last, fetch=2000), keep=True))
         async with contextlib.aclosing(lists):
             return [(identity_of(m), ts_ns) async for got in lists for m, _, ts_ns in got]
 

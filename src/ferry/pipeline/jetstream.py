@@ -119,8 +119,10 @@ from ferry.topology import NatsCluster
 __all__ = [
     "JetStreamDataSource",
     "ReadConfig",
+    "Reader",
     "WriteConfig",
     "plan_ranges",
+    "read_ahead",
     "read_range",
     "read_rows",
     "stream_frame",
@@ -300,7 +302,7 @@ def plan_ranges(cfg: ReadConfig) -> list[Range]:
 
 def _ack_fields(reply: str) -> tuple[int, int, int]:
     """(stream sequence, consumer sequence, timestamp ns) from a JetStream ack subject (v1 or v2
-    form). Not its pending count: see :meth:`_Reader._none_left`."""
+    form). Not its pending count: see :meth:`Reader._none_left`."""
     t = reply.split(".")
     if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
         return int(t[5]), int(t[6]), int(t[7])
@@ -380,11 +382,11 @@ def pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, i
     the lists the server sent: (message, sequence, stored time in ns); publish-time directives
     (``Nats-Expected-*``) dropped from the headers. The next pulls are on the wire while the
     caller works on a list (or waits: a writer for its acks)."""
-    return _read_ahead(_pulled(cfg, part))
+    return read_ahead(_pulled(cfg, part))
 
 
 async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any, int, int]]]:
-    reader = await _Reader.open(cfg, part.stream)
+    reader = await Reader.open(cfg, part.stream)
     try:
         async for got in reader.lists(part):
             yield got
@@ -392,7 +394,7 @@ async def _pulled(cfg: ReadConfig, part: Range) -> AsyncIterator[list[tuple[Any,
         await reader.close()
 
 
-class _Reader:
+class Reader:
     """Reads ranges of one stream through an ephemeral consumer (no acks) it creates where a
     range starts. With ``keep``, the consumer stays after a range that ended cleanly, and the
     next range that starts right after it goes on with it (a relay's micro-batches).
@@ -411,7 +413,7 @@ class _Reader:
         self.next_seq = 0  # where the kept consumer stands
 
     @classmethod
-    async def open(cls, cfg: ReadConfig, stream: str) -> _Reader:
+    async def open(cls, cfg: ReadConfig, stream: str) -> Reader:
         return cls(cfg, stream, await bnats.connect(cfg.nats(), name=cfg.name, timeout=30))
 
     async def close(self) -> None:
@@ -567,7 +569,7 @@ class _Reader:
                     self.puller.ask(part.fetch)
 
 
-async def _read_ahead(
+async def read_ahead(
     lists: AsyncIterator[list[tuple[Any, int, int]]], depth: int = 2
 ) -> AsyncIterator[list[tuple[Any, int, int]]]:
     """`lists` pulled up to `depth` lists ahead by a task of their own."""
@@ -650,12 +652,12 @@ class _RelayLink:
     """A relay's reader on one source stream and its connection to the destination, kept by the
     Python worker from one micro-batch to the next (:mod:`ferry.pipeline._kept`)."""
 
-    def __init__(self, reader: _Reader, dest: Wire) -> None:
+    def __init__(self, reader: Reader, dest: Wire) -> None:
         self.reader, self.dest = reader, dest
 
     @classmethod
     async def open(cls, cfg: ReadConfig, to: WriteConfig, stream: str) -> _RelayLink:
-        reader = await _Reader.open(cfg, stream)
+        reader = await Reader.open(cfg, stream)
         try:
             return cls(reader, await Wire.open(to.nats(), to.name, timeout=30, prefer=to.leader))
         except BaseException:
@@ -676,7 +678,7 @@ def relay_range(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
 async def _relay(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
     key = ("relay", cfg, to, part.stream)
     async with _kept.using(key, lambda: _RelayLink.open(cfg, to, part.stream)) as link:
-        lists = _read_ahead(link.reader.lists(part, keep=True))
+        lists = read_ahead(link.reader.lists(part, keep=True))
         async with contextlib.aclosing(lists):  # its read-ahead task must not outlive a failed write
             return await write_rows(to, read_rows(cfg, part, lists, relayed=False), link.dest)
 
