@@ -280,22 +280,24 @@ def test_ranges_read_as_the_stream_grows_get_every_message_up_to_their_end(
     async def read() -> tuple[int, list[str]]:
         reads, short = 0, []
         reader = await Reader.open(cfg, "CTAIL")
-        async with bnats.session(topo.nats("east")) as nc, contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(reader.close)
-            lo = 1
-            while load.poll() is None:
-                hi = (await nc.jsm().stream_info("CTAIL")).state.last_seq
-                if hi < lo:
-                    await asyncio.sleep(0.01)
-                    continue
-                seqs = [
-                    seq
-                    async for got in reader.lists(Range("CTAIL", lo, hi, fetch=1000), keep=True)
-                    for _, seq, _ in got
-                ]
-                if seqs != list(range(lo, hi + 1)):
-                    short.append(f"{lo}-{hi}: {len(seqs)} messages, the last {seqs[-1] if seqs else None}")
-                reads, lo = reads + 1, hi + 1
+        try:
+            async with bnats.session(topo.nats("east")) as nc:
+                lo = 1
+                while load.poll() is None:
+                    hi = (await nc.jsm().stream_info("CTAIL")).state.last_seq
+                    if hi < lo:
+                        await asyncio.sleep(0.01)
+                        continue
+                    seqs = [
+                        seq
+                        async for got in reader.lists(Range("CTAIL", lo, hi, fetch=1000), keep=True)
+                        for _, seq, _ in got
+                    ]
+                    if seqs != list(range(lo, hi + 1)):
+                        short.append(f"{lo}-{hi}: {len(seqs)} messages, the last {seqs[-1] if seqs else None}")
+                    reads, lo = reads + 1, hi + 1
+        finally:
+            await reader.close()
         return reads, short
 
     try:
