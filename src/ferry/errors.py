@@ -65,7 +65,7 @@ class BrokerUnavailable(FerryError):
 
 
 class AuthError(FerryError):
-    """A broker refused the credentials."""
+    """A broker refused the credentials, or what they asked for (a permission)."""
 
 
 class Conflict(FerryError):

@@ -272,6 +272,47 @@ def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:
     assert r.returncode == 1 and "leader" in r.stderr, r.stderr
 
 
+def test_what_ferrys_user_may_not_do_is_named_and_a_guard_it_may_not_run_refuses_the_move(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """The lab's `limited` user may not subscribe to `limited.>` nor get single messages of LIMITED.
+    The server sends no reply to what it refuses, only a permission violation, and goes on."""
+    from ferry.errors import AuthError
+    from ferry.lab.nats import LIMITED_USER
+    from ferry.pipeline.jetstream import Range, ReadConfig, read_range
+
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_L", ["limited.>"], placement="east"))
+    asyncio.run(make_stream(topo, "east", "LIMITED", ["readable.>"], placement="east"))
+    limited = tmp_path / "topology.yaml"
+    limited.write_text(topology_of(supercluster).read_text().replace("user: app", f"user: {LIMITED_USER}"))
+
+    # a guard that could hear nothing would prove nothing: the move is refused before anything changes
+    r = ferry("move", "MOVE_L", "--to", "west", topology=limited, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the capture guard may not listen" in r.stderr and 'Subscription to "limited.>"' in r.stderr, r.stderr
+    assert where(topology_of(supercluster), "MOVE_L")[0] == "east"
+    r = ferry("move", "--status", "MOVE_L", topology=limited)
+    assert r.returncode == 1 and "no move of 'MOVE_L' on record" in r.stderr, r.stderr
+
+    # a read past a stream's end asks its leader where it ends: refused, it says so at the first timeout
+    async def read_past_the_end() -> tuple[float, str]:
+        async with bnats.session(topo.nats("east")) as nc:
+            for i in range(5):
+                await nc.jetstream().publish(f"readable.{i}", b"x")
+        lim = profile_topology_path(limited)
+        cfg = ReadConfig(cluster=lim.nats("east").model_dump_json(), name="east", streams=("LIMITED",))
+        t0 = time.monotonic()
+        with pytest.raises(AuthError) as refused:
+            async for _ in read_range(cfg, Range("LIMITED", 1, 10, 100)):
+                pass
+        return time.monotonic() - t0, str(refused.value)
+
+    took, message = asyncio.run(read_past_the_end())
+    assert "publish to $JS.API.STREAM.MSG.GET.LIMITED (permissions violation)" in message, message
+    assert took < 20, took  # not after the 30 s of asking again through an election
+
+
 def wait_jetstream(topo: Any, timeout: float = 90) -> None:
     """Until streams can be created again (a stopped server may have led the meta group)."""
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -31,7 +33,11 @@ from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.topology import NatsCluster
 
-__all__ = ["Nats", "connect", "monitor_get", "probe", "session", "sys_request", "while_electing"]
+__all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
+
+# the permission violations each client was sent (the server sends no reply to a publish it refuses,
+# only this, and goes on): a request that times out tells from them that it was refused
+_DENIED: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
 
 
 class Nats(BrokerKind):
@@ -58,9 +64,12 @@ async def connect(
     if system and creds is None:
         raise ConfigError(f"cluster {name!r} has no system_credentials in the topology")
     last_error: list[BaseException] = []
+    denied: deque[str] = deque(maxlen=100)
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
+        if "permissions violation" in str(exc).lower():
+            denied.append(str(exc).lower())
 
     kwargs: dict[str, Any] = {
         "servers": urls or cluster.urls,
@@ -74,7 +83,9 @@ async def connect(
     if creds:
         kwargs["user"], kwargs["password"] = creds.user, creds.password()
     try:
-        return await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        _DENIED[nc] = denied
+        return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
         cause = last_error[0] if last_error else exc
         who = f"cluster {name!r}" if name else "NATS"
@@ -96,10 +107,21 @@ async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
             await nc.close()
 
 
-async def while_electing(call: Callable[[], Awaitable[Any]], within: float = 30.0) -> Any:
+def refused(nc: Client, subject: str) -> AuthError | None:
+    """The error to raise when the server refused `nc`'s publish to `subject` (a request to it
+    then just goes unanswered), else None."""
+    if f'publish to "{subject.lower()}"' in " ".join(_DENIED.get(nc, ())):
+        return AuthError(f"the server refused ferry's user to publish to {subject} (permissions violation)")
+    return None
+
+
+async def while_electing(
+    call: Callable[[], Awaitable[Any]], within: float = 30.0, nc: Client | None = None, subject: str = ""
+) -> Any:
     """`call` a stream's API (or write to it), again while the stream elects a leader (its leader
     stepped down or died: no responder, unavailable, or no answer in time), for at most `within`
-    seconds. A write that timed out may have been stored after all: the caller must tell."""
+    seconds. A write that timed out may have been stored after all: the caller must tell. Given
+    the client and the subject `call` publishes to, a refused publish fails at its first timeout."""
     from nats.errors import NoRespondersError
     from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
@@ -108,6 +130,8 @@ async def while_electing(call: Callable[[], Awaitable[Any]], within: float = 30.
         try:
             return await call()
         except (NoStreamResponseError, NoRespondersError, ServiceUnavailableError, NatsTimeout):
+            if nc is not None and (denial := refused(nc, subject)):
+                raise denial from None
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.5)
@@ -119,7 +143,7 @@ async def sys_request(nc: Client, subject: str, payload: dict | bytes = b"", tim
     try:
         msg = await nc.request(subject, data, timeout=timeout)
     except NatsTimeout:
-        raise BrokerUnavailable(f"no answer to {subject} within {timeout:.0f}s") from None
+        raise refused(nc, subject) or BrokerUnavailable(f"no answer to {subject} within {timeout:.0f}s") from None
     return json.loads(msg.data) if msg.data else {}
 
 

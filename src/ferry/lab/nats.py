@@ -19,6 +19,13 @@ from ferry.lab.procs import Proc, free_ports
 
 APP_USER = "app"
 SYS_USER = "sys"
+# a second user of APP (the app password) with two permissions withheld, for trying ferry's errors
+# when its user may do less than it needs: listening to `limited.>`, single messages of LIMITED
+LIMITED_USER = "limited"
+LIMITED_PERMISSIONS = {
+    "subscribe": {"deny": ["limited.>"]},
+    "publish": {"deny": ["$JS.API.STREAM.MSG.GET.LIMITED"]},
+}
 
 
 def nats_server_binary() -> str:
@@ -84,7 +91,13 @@ def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path
         "server_tags": server.tags,
         "jetstream": {"store_dir": str(store_dir), "max_memory_store": 268435456, "max_file_store": 8589934592},
         "accounts": {
-            "APP": {"jetstream": "enabled", "users": [{"user": APP_USER, "password": app_pw}]},
+            "APP": {
+                "jetstream": "enabled",
+                "users": [
+                    {"user": APP_USER, "password": app_pw},
+                    {"user": LIMITED_USER, "password": app_pw, "permissions": LIMITED_PERMISSIONS},
+                ],
+            },
             "SYS": {"users": [{"user": SYS_USER, "password": sys_pw}]},
         },
         "system_account": "SYS",

@@ -12,6 +12,7 @@ believe they own it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -159,11 +160,12 @@ class Journal(_Owned):
 
         self.state.update(changes, owner=None if release else self.owner(), heartbeat=time.time())
         data = json.dumps(self.state).encode()
+        if self.revision:
+            write = functools.partial(self.kv.update, self.key, data, last=self.revision)
+        else:
+            write = functools.partial(self.kv.create, self.key, data)
         try:
-            if self.revision:
-                self.revision = await while_electing(lambda: self.kv.update(self.key, data, last=self.revision))
-            else:
-                self.revision = await while_electing(lambda: self.kv.create(self.key, data))
+            self.revision = await while_electing(write, nc=self.nc, subject=f"$KV.{BUCKET}.{self.key}")
         except KeyWrongLastSequenceError:
             entry = await self._entry(self.key)  # a retried write whose first try was stored after all
             if not entry or entry.value != data:
@@ -171,7 +173,7 @@ class Journal(_Owned):
             self.revision = entry.revision
 
     async def delete(self) -> None:
-        await while_electing(lambda: self.kv.delete(self.key))
+        await while_electing(lambda: self.kv.delete(self.key), nc=self.nc, subject=f"$KV.{BUCKET}.{self.key}")
         self.revision = 0
 
     async def stop(self) -> None:

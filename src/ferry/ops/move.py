@@ -64,7 +64,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers import nats as bnats
-from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.errors import AuthError, BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import BUCKET, Journal, owner_alive
 from ferry.pipeline._nats import Msg as WireMsg
@@ -489,6 +489,12 @@ class Guard:
             subscribed = time.monotonic()
             for s in self.subjects:
                 await self._conn.subscribe(s, self._on_msg)
+            await self._conn.flush(timeout=5)  # the server answers a subscription it refuses before this
+            if self._conn.denied:  # a guard that hears nothing would prove nothing
+                raise AuthError(
+                    f"the capture guard may not listen to the stream's subjects: the server says "
+                    f"{self._conn.denied[0]!r} (ferry's user must be allowed to subscribe to them)"
+                )
             own = self._conn.server_cluster
             remote = [s["url"] for s in (servers or {}).values() if s["cluster"] != own]
             checks = [self._reached(self.cluster.urls)]
@@ -862,7 +868,6 @@ async def move(
                 "capture_dir": str(capture_dir),
                 "started": time.time(),
             }
-            await journal.save(phase="starting")
         st = journal.state
         info = await stream_info(nc, req.stream)
         guard = None
@@ -870,7 +875,12 @@ async def move(
             guard = Guard(
                 cluster, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
             )
-            await guard.start(led_in=(info.get("cluster") or {}).get("name", ""), servers=plan.get("servers"))
+            try:
+                await guard.start(led_in=(info.get("cluster") or {}).get("name", ""), servers=plan.get("servers"))
+            except BaseException:
+                if not resuming:  # nothing was journaled or changed yet
+                    shutil.rmtree(capture_dir, ignore_errors=True)
+                raise
             emit("guard", subjects=info["config"]["subjects"], file=str(guard.path), waited=guard.waited)
         elif req.guard:
             emit(
@@ -878,6 +888,8 @@ async def move(
             )
         result: dict[str, Any] = {"stream": req.stream, "move_id": st["move_id"], "from": st["from"], "to": st["to"]}
         try:
+            if not resuming:  # journaled once the guard listens: a guard refused leaves nothing behind
+                await journal.save(phase="starting")
             if st.get("phase") == "starting":
                 cfg = dict(info["config"])
                 placement_now = cfg.get("placement") or {}

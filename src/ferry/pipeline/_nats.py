@@ -142,6 +142,7 @@ class Wire:
         self._connected = False
         self._closed = False
         self.error = ""  # why it closed, when not by close()
+        self.denied: deque[str] = deque(maxlen=100)  # the server's permission violations (the last ones)
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
         # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
@@ -398,9 +399,10 @@ class Wire:
                     if not pong.done():  # else its flush timed out
                         pong.set_result(None)
                 elif line.startswith(b"-ERR"):
-                    text = line[4:].strip().strip(b"'").decode().lower()
-                    if not text.startswith("permissions violation"):
+                    text = line[4:].strip().strip(b"'").decode()
+                    if not text.lower().startswith("permissions violation"):
                         return  # the server closes the connection after any other error
+                    self.denied.append(text)
             buf = buf[pos:]
             if need:  # `need` more bytes finish the message at the head of buf
                 parts, buf = [buf], b""

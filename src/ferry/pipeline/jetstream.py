@@ -480,7 +480,7 @@ class Reader:
             return self.nc.jsm(timeout=5).get_msg(self.stream, seq=seq, subject=self.cfg.subject or ">", next=True)
 
         try:
-            got = await while_electing(ask, 30)
+            got = await while_electing(ask, 30, self.nc, f"$JS.API.STREAM.MSG.GET.{self.stream}")
         except NotFoundError:  # nothing from seq on
             return True
         except NatsError:
