@@ -1791,7 +1791,13 @@ def main() -> None:
         err.print(f"[red]error:[/] {where}: {redact(e['msg'].removeprefix('Value error, '))}", highlight=False)
         sys.exit(2)
     except TimeoutError as exc:
-        err.print(f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__})")
+        from ferry.brokers.nats import DENIALS
+
+        why = f"; the server had refused ferry's user: {escape(DENIALS[-1])}" if DENIALS else ""
+        err.print(
+            f"[red]error:[/] a broker did not answer in time ({type(exc).__module__}.{type(exc).__name__}){why}",
+            highlight=False,
+        )
         sys.exit(1)
     except KeyboardInterrupt:
         _interrupted()

@@ -36,6 +36,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from ferry.brokers.nats import refused
 from ferry.errors import BrokerUnavailable, ConfigError, FerryError
 from ferry.pipeline._nats import encode_headers
 
@@ -283,8 +284,9 @@ class Publisher:
                 if self._pending.get(token) is not p:
                     continue
                 limit = self.give_up_after * (2 if p.in_process else 1)
-                if now - p.first_sent >= limit or closed:
-                    p.ack.error = closed or p.ack.error or f"no ack within {limit:.0f}s"
+                denial = refused(self.nc, p.subject)  # then no ack will ever come
+                if now - p.first_sent >= limit or closed or denial:
+                    p.ack.error = closed or (denial and str(denial)) or p.ack.error or f"no ack within {limit:.0f}s"
                     self._finish(token, p)
                     continue
                 if not self.nc.is_connected:
@@ -572,7 +574,9 @@ class BatchPublisher:
             self._fail(len(self._unacked), f"no ack within {self.give_up_after:.0f}s")
             self._end()
         elif self._ended_at is None and self._unacked and now - self._progress >= self.ack_timeout:
-            if not self._pinged:
+            if denial := refused(self.nc, self._unacked[0].subject.decode()):
+                self._fatal = denial  # no ack will ever come
+            elif not self._pinged:
                 self._pinged = now
                 self._write(self._last_subject, self._sent, 4)
             elif now - self._pinged >= self.ack_timeout:

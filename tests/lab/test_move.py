@@ -275,17 +275,31 @@ def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:
 def test_what_ferrys_user_may_not_do_is_named_and_a_guard_it_may_not_run_refuses_the_move(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:
-    """The lab's `limited` user may not subscribe to `limited.>` nor get single messages of LIMITED.
-    The server sends no reply to what it refuses, only a permission violation, and goes on."""
+    """The lab's `limited` user may not subscribe to `limited.>` nor get single messages of LIMITED;
+    `no-inbox` may not subscribe to its inbox. The server sends no reply to what it refuses, only a
+    permission violation, and goes on."""
     from ferry.errors import AuthError
-    from ferry.lab.nats import LIMITED_USER
     from ferry.pipeline.jetstream import Range, ReadConfig, read_range
 
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "MOVE_L", ["limited.>"], placement="east"))
     asyncio.run(make_stream(topo, "east", "LIMITED", ["readable.>"], placement="east"))
-    limited = tmp_path / "topology.yaml"
-    limited.write_text(topology_of(supercluster).read_text().replace("user: app", f"user: {LIMITED_USER}"))
+
+    def as_user(user: str) -> Path:
+        path = tmp_path / f"{user}.yaml"
+        path.write_text(topology_of(supercluster).read_text().replace("user: app", f"user: {user}"))
+        return path
+
+    # no reply can reach a user that may not subscribe to its inbox: said at the first request's timeout
+    r = ferry("move", "MOVE_L", "--to", "west", topology=as_user("no-inbox"), timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no answer to $JS.API.STREAM.INFO.MOVE_L: the server refused" in r.stderr, r.stderr
+    assert "allow it to subscribe to _INBOX.>" in r.stderr, r.stderr
+    r = ferry("stream", "info", "MOVE_L", "-c", "east", topology=as_user("no-inbox"), timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the server had refused ferry's user: permissions violation for subscription to \"_inbox." in r.stderr
+
+    limited = as_user("limited")
 
     # a guard that could hear nothing would prove nothing: the move is refused before anything changes
     r = ferry("move", "MOVE_L", "--to", "west", topology=limited, timeout=120)

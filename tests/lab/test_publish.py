@@ -4,6 +4,8 @@ through refusals and leader changes."""
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -11,10 +13,11 @@ import pytest
 
 from ferry import lab
 from ferry.brokers import nats as bnats
-from ferry.errors import BrokerUnavailable, ConfigError
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.pipeline._nats import wire
 from ferry.pipeline.jetstream import WriteConfig, write_rows
-from ferry.publish import BatchPublisher
+from ferry.publish import BatchPublisher, Publisher
+from ferry.topology import load_topology
 from tests.conftest import profile_topology
 from tests.helpers import make_stream, read_stream
 
@@ -183,3 +186,26 @@ async def test_a_failing_message_handler_closes_the_connection_with_its_reason(s
                 await asyncio.sleep(0.01)
         with pytest.raises(BrokerUnavailable, match="reading failed: IndexError"):
             w.publish_raw(b"fbx.other", b"", b"", b"x")
+
+
+async def test_a_publish_the_server_refuses_fails_at_its_first_ack_timeout(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """The lab's `limited` user may not publish to `denied.>`: the server answers nothing, only a
+    permission violation, so without it the publishers would wait out give_up_after (60 s here)."""
+    topo = profile_topology(supercluster)
+    await make_stream(topo, "east", "DENIED", ["denied.>"], placement="east", allow_batched=True)
+    limited = tmp_path / "limited.yaml"
+    limited.write_text((supercluster.path / "topology.yaml").read_text().replace("user: app", "user: limited"))
+    async with wire(load_topology(limited).nats("east"), "east") as w:
+        t0 = time.monotonic()
+        with pytest.raises(AuthError, match=r"refused ferry's user to publish to denied\.b \(permissions violation"):
+            async with BatchPublisher(w, ack_timeout=1.0, give_up_after=60) as pub:
+                await pub.publish("denied.b", b"x", msg_id="b1")
+        assert time.monotonic() - t0 < 10
+        t0 = time.monotonic()
+        async with Publisher(w, ack_timeout=1.0, give_up_after=60) as one:
+            await one.publish("denied.p", b"x", msg_id="p1")
+            stats = await one.flush()
+        assert time.monotonic() - t0 < 10
+    assert stats.failed == 1 and "publish to denied.p (permissions violation)" in stats.errors[0], stats

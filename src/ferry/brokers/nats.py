@@ -38,6 +38,7 @@ __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys
 # the permission violations each client was sent (the server sends no reply to a publish it refuses,
 # only this, and goes on): a request that times out tells from them that it was refused
 _DENIED: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
+DENIALS: deque[str] = deque(maxlen=10)  # every client's, for a timeout that reaches the CLI without its client
 
 
 class Nats(BrokerKind):
@@ -70,6 +71,7 @@ async def connect(
         last_error[:] = [exc]
         if "permissions violation" in str(exc).lower():
             denied.append(str(exc).lower())
+            DENIALS.append(str(exc).removeprefix("nats: "))
 
     kwargs: dict[str, Any] = {
         "servers": urls or cluster.urls,
@@ -107,11 +109,18 @@ async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
             await nc.close()
 
 
-def refused(nc: Client, subject: str) -> AuthError | None:
-    """The error to raise when the server refused `nc`'s publish to `subject` (a request to it
-    then just goes unanswered), else None."""
-    if f'publish to "{subject.lower()}"' in " ".join(_DENIED.get(nc, ())):
+def refused(nc: Any, subject: str) -> AuthError | None:
+    """The error to raise when the server refused `nc`'s publish to `subject`, or the subscription
+    to its inbox, where replies come (a request then just goes unanswered), else None. `nc`: a
+    nats-py client from :func:`connect`, or the data plane's ``Wire`` (its ``denied``)."""
+    said = " ".join(getattr(nc, "denied", None) or _DENIED.get(nc, ())).lower()
+    if f'publish to "{subject.lower()}"' in said:
         return AuthError(f"the server refused ferry's user to publish to {subject} (permissions violation)")
+    if 'subscription to "_inbox.' in said:
+        return AuthError(
+            f"no answer to {subject}: the server refused ferry's user to subscribe to its inbox, where "
+            "replies come (permissions violation; allow it to subscribe to _INBOX.>)"
+        )
     return None
 
 

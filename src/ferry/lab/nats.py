@@ -19,12 +19,16 @@ from ferry.lab.procs import Proc, free_ports
 
 APP_USER = "app"
 SYS_USER = "sys"
-# a second user of APP (the app password) with two permissions withheld, for trying ferry's errors
-# when its user may do less than it needs: listening to `limited.>`, single messages of LIMITED
-LIMITED_USER = "limited"
-LIMITED_PERMISSIONS = {
-    "subscribe": {"deny": ["limited.>"]},
-    "publish": {"deny": ["$JS.API.STREAM.MSG.GET.LIMITED"]},
+# more users of APP (the app password) with permissions withheld, for trying ferry's errors when its
+# user may do less than it needs: `limited` may not listen to `limited.>`, publish to `denied.>`
+# nor get single messages of LIMITED; `no-inbox` may not subscribe to its inbox, so no request of
+# its is ever answered
+LIMITED_USERS = {
+    "limited": {
+        "subscribe": {"deny": ["limited.>"]},
+        "publish": {"deny": ["denied.>", "$JS.API.STREAM.MSG.GET.LIMITED"]},
+    },
+    "no-inbox": {"subscribe": {"deny": ["_INBOX.>"]}},
 }
 
 
@@ -95,7 +99,7 @@ def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path
                 "jetstream": "enabled",
                 "users": [
                     {"user": APP_USER, "password": app_pw},
-                    {"user": LIMITED_USER, "password": app_pw, "permissions": LIMITED_PERMISSIONS},
+                    *({"user": u, "password": app_pw, "permissions": p} for u, p in LIMITED_USERS.items()),
                 ],
             },
             "SYS": {"users": [{"user": SYS_USER, "password": sys_pw}]},
