@@ -705,12 +705,12 @@ async def _repartition(
     # 4. guard the moving patterns on each new owner, switch, forward the tail
     root = mv.state_root(state_dir) / "partition" / f"{pmap.name}-{op_id}"
     guards = {}
-    for t in targets:
-        guards[t] = mv.Guard(
-            cluster, [m["pattern"] for m in moves if m["to"] == t], root / t / f"capture-{os.getpid()}.arrow"
-        )
-        await guards[t].start()
     try:
+        for t in targets:  # one refused (the user may not listen): the switch is not made
+            guards[t] = mv.Guard(
+                cluster, [m["pattern"] for m in moves if m["to"] == t], root / t / f"capture-{os.getpid()}.arrow"
+            )
+            await guards[t].start()
         await catch_up()
         t_switch = time.monotonic()
         await _converge(nc, pmap, p, staged=frozenset(targets))
