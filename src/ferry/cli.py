@@ -1802,11 +1802,15 @@ def main() -> None:
     except KeyboardInterrupt:
         _interrupted()
     except Exception as exc:  # a Spark job's failure (from a task, or Spark's own): one line too
-        if type(exc).__module__.startswith("nats."):  # a broker's answer no command turned into a FerryError
+        # a broker's answer no command turned into a FerryError (a permission refused, say)
+        module = type(exc).__module__
+        if module.startswith(("nats.", "aiormq.", "aio_pika.")):
             text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+            if not module.startswith("nats."):  # AMQP's args: (403, "ACCESS_REFUSED - access to queue ...")
+                text = next((a for a in reversed(exc.args) if isinstance(a, str) and a), text)
             err.print(f"[red]error:[/] {escape(redact(text.splitlines()[0]))}", highlight=False)
             sys.exit(1)
-        if not type(exc).__module__.startswith(("pyspark", "py4j")):
+        if not module.startswith(("pyspark", "py4j")):
             raise
         from ferry.pipeline.spark import spark_error
 

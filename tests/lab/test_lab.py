@@ -91,6 +91,22 @@ async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabSt
     assert result["published"] == result["read_back"] == 2000
 
 
+async def test_a_refused_amqp_permission_is_one_line(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
+    """aio-pika's ACCESS_REFUSED reaches the CLI as a broker's answer: one line, exit 1, no traceback."""
+    topo = profile_topology(rabbit_dr)
+    ltm = topo.rabbitmq("ltm")
+    async with Management(ltm) as m:
+        await m.put("/users/no-configure", {"password": ltm.credentials.password(), "tags": ""})
+        await m.put("/permissions/%2F/no-configure", {"configure": "^$", "write": ".*", "read": ".*"})
+    as_user = tmp_path / "topology.yaml"
+    text = (rabbit_dr.path / "topology.yaml").read_text()
+    as_user.write_text(text.replace(f"user: {ltm.credentials.user}", "user: no-configure"))
+    r = await asyncio.to_thread(ferry, "topology", "smoke", "--rabbitmq", "ltm", "--count", "10", topology=as_user)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: ACCESS_REFUSED - access to queue 'ferry.smoke."), r.stderr
+    assert "refused for user 'no-configure'" in r.stderr, r.stderr
+
+
 async def test_rabbit_dr_shovel_and_federation_plugins_work(rabbit_dr: lab.LabState) -> None:
     topo = profile_topology(rabbit_dr)
     async with Management(topo.rabbitmq("ltm")) as m:
