@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ferry.errors import BrokerUnavailable, ConfigError, FerryError, UsageError
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, UsageError
 from ferry.pipeline._amqp import raw_connect
 from ferry.pipeline._nats import Wire
 from ferry.publish import Ack, Pacer, Publisher
@@ -182,6 +182,7 @@ async def run_load(
     deadline = time.monotonic() + opts.duration if opts.duration else None
     inflight = [0]
     t0 = time.monotonic()
+    refused = ""  # a permission violation a core publish got (the server drops such messages silently)
 
     def record(row: dict[str, Any]) -> None:
         outcome = row["outcome"]
@@ -193,6 +194,7 @@ async def run_load(
         ledger.add(row)
 
     async def producer(p: int) -> None:
+        nonlocal refused
         quota = per_producer if per_producer is None else min(per_producer, opts.count - p * per_producer)  # type: ignore[operator]
         pacer = Pacer(opts.rate / opts.producers if opts.rate else None)
         send = await _sender(kind, topology, cluster, vhost, opts, record, inflight)
@@ -225,6 +227,7 @@ async def run_load(
         finally:
             await send.close()
             summary.retries += send.retries
+            refused = refused or send.refused
 
     async def flusher() -> None:
         while True:
@@ -244,11 +247,17 @@ async def run_load(
             await ticker
         summary.seconds = time.monotonic() - t0
         ledger.flush()
+    if refused:
+        raise AuthError(
+            f"the server dropped messages of ferry's user: {refused} (the ledger {opts.ledger} lists them as "
+            "sent without an ack)"
+        )
     return summary
 
 
 class _Sender:
     retries = 0
+    refused = ""
 
     async def publish(self, row: dict[str, Any], payload: bytes) -> None: ...
 
@@ -336,8 +345,10 @@ class _NatsSender(_Sender):
             self.retries = self.pub.stats.retries
             await self.pub.close()
         with contextlib.suppress(Exception):
-            await self.nc.flush(timeout=5)
+            await self.nc.flush(timeout=5)  # a violation comes before the flush's answer
             await self.nc.close()
+        if not self.js:  # a JetStream publish refused fails with that reason (see Publisher)
+            self.refused = next((d for d in self.nc.denied if "publish to" in d.lower()), "")
 
 
 class _RabbitSender(_Sender):

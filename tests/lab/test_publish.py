@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import pyarrow.parquet as pq
 import pytest
 
 from ferry import lab
@@ -19,7 +20,7 @@ from ferry.pipeline.jetstream import WriteConfig, write_rows
 from ferry.publish import BatchPublisher, Publisher
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
-from tests.helpers import make_stream, read_stream
+from tests.helpers import ferry, make_stream, read_stream
 
 pytestmark = pytest.mark.lab
 
@@ -209,3 +210,11 @@ async def test_a_publish_the_server_refuses_fails_at_its_first_ack_timeout(
             stats = await one.flush()
         assert time.monotonic() - t0 < 10
     assert stats.failed == 1 and "publish to denied.p (permissions violation)" in stats.errors[0], stats
+
+    # core publishes the server drops: the load says so, and its ledger still holds every message
+    ledger = tmp_path / "ledger"
+    args = ("load", "nats://east", "--subject", "denied.c", "--subjects", "1", "--count", "50", "--ledger", str(ledger))
+    r = await asyncio.to_thread(ferry, *args, topology=limited)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert 'dropped messages of ferry\'s user: Permissions Violation for Publish to "denied.c"' in r.stderr
+    assert pq.read_table(ledger).num_rows == 50
