@@ -14,10 +14,11 @@ from ferry import lab
 from ferry.brokers import probe_all
 from ferry.brokers.rabbitmq import Management
 from ferry.cli import app
-from ferry.errors import FerryError
+from ferry.errors import AuthError, FerryError
 from ferry.lab import nats as lab_nats
 from ferry.lab.procs import group_members
 from ferry.ops import smoke
+from ferry.topology import load_topology
 from tests.conftest import profile_topology
 from tests.helpers import ferry
 
@@ -105,6 +106,27 @@ async def test_a_refused_amqp_permission_is_one_line(rabbit_dr: lab.LabState, tm
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: ACCESS_REFUSED - access to queue 'ferry.smoke."), r.stderr
     assert "refused for user 'no-configure'" in r.stderr, r.stderr
+
+
+async def test_a_management_refusal_names_the_request_and_what_the_user_lacks(
+    rabbit_dr: lab.LabState, tmp_path: Path
+) -> None:
+    """RabbitMQ answers 401 to a wrong password and to a tag the user lacks alike; its reason tells them apart."""
+    topo = profile_topology(rabbit_dr)
+    ltm = topo.rabbitmq("ltm")
+    async with Management(ltm) as m:
+        await m.put("/users/no-admin", {"password": ltm.credentials.password(), "tags": "management"})
+        await m.put("/permissions/%2F/no-admin", {"configure": ".*", "write": ".*", "read": ".*"})
+    as_user = tmp_path / "topology.yaml"
+    as_user.write_text(
+        (rabbit_dr.path / "topology.yaml").read_text().replace(f"user: {ltm.credentials.user}", "user: no-admin")
+    )
+    async with Management(load_topology(as_user).rabbitmq("ltm")) as m:
+        assert (await m.get("/overview"))["rabbitmq_version"]  # a management user may read this
+        with pytest.raises(AuthError) as refused:
+            await m.get("/vhosts/%2F")
+    said = "ltm: management API refused GET /vhosts/%2F to user 'no-admin': Not administrator user"
+    assert str(refused.value) == said
 
 
 async def test_rabbit_dr_shovel_and_federation_plugins_work(rabbit_dr: lab.LabState) -> None:

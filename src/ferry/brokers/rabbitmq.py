@@ -14,6 +14,7 @@ Options: ``timeout`` for every HTTP call and the AMQP connect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -56,6 +57,7 @@ class Management:
         self.broker = broker or cluster.brokers[0]
         self.name = name or self.broker.name
         creds = cluster.credentials
+        self.user = creds.user if creds else ""
         auth = (creds.user, creds.password() or "") if creds else None
         self._http = httpx.AsyncClient(base_url=f"{self.broker.management_url}/api", auth=auth, timeout=timeout)
 
@@ -75,8 +77,13 @@ class Management:
             raise BrokerUnavailable(
                 f"{self.name}: management API {self.broker.management_url} not answering ({type(exc).__name__})"
             ) from None
-        if r.status_code == 401:
-            raise AuthError(f"{self.name}: management API refused the credentials")
+        if r.status_code == 401:  # the credentials, or a tag or vhost permission the user lacks
+            why = ""
+            with contextlib.suppress(ValueError, AttributeError):
+                why = r.json().get("reason") or ""
+            if not why or why.lower().startswith("login failed"):
+                raise AuthError(f"{self.name}: management API refused the credentials of user {self.user!r}")
+            raise AuthError(f"{self.name}: management API refused {method} {path} to user {self.user!r}: {why}")
         if r.status_code == 404:
             if ok404:
                 return None

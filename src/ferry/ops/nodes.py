@@ -60,7 +60,7 @@ from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.errors import BrokerUnavailable, ConfigError, FerryError, NotFound
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.ops.journal import Journal, ParamJournal
 from ferry.ops.move import api as js_api
 from ferry.pipeline._amqp import QueueCounts
@@ -443,6 +443,8 @@ class RabbitNodes(_Nodes):
         reason = f"ferry: node {view.name} is being emptied; please reconnect"
         try:
             await self.m.request("DELETE", f"/connections/{q(cid)}", headers={"X-Reason": reason})
+        except AuthError:  # another user's connection needs the administrator tag: no use going on
+            raise
         except FerryError:  # NotFound: already gone (the listing lags by up to a statistics interval)
             return False
         return True
