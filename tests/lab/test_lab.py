@@ -92,16 +92,21 @@ async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabSt
     assert result["published"] == result["read_back"] == 2000
 
 
+async def _as_new_user(state: lab.LabState, path: Path, user: str, tags: str, configure: str) -> Path:
+    """A topology whose ltm credentials are `user`'s, made on ltm with the same password, `tags`,
+    and every permission on vhost / but `configure`."""
+    ltm = profile_topology(state).rabbitmq("ltm")
+    async with Management(ltm) as m:
+        await m.put(f"/users/{user}", {"password": ltm.credentials.password(), "tags": tags})
+        await m.put(f"/permissions/%2F/{user}", {"configure": configure, "write": ".*", "read": ".*"})
+    text = (state.path / "topology.yaml").read_text()
+    path.write_text(text.replace(f"user: {ltm.credentials.user}", f"user: {user}"))
+    return path
+
+
 async def test_a_refused_amqp_permission_is_one_line(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     """aio-pika's ACCESS_REFUSED reaches the CLI as a broker's answer: one line, exit 1, no traceback."""
-    topo = profile_topology(rabbit_dr)
-    ltm = topo.rabbitmq("ltm")
-    async with Management(ltm) as m:
-        await m.put("/users/no-configure", {"password": ltm.credentials.password(), "tags": ""})
-        await m.put("/permissions/%2F/no-configure", {"configure": "^$", "write": ".*", "read": ".*"})
-    as_user = tmp_path / "topology.yaml"
-    text = (rabbit_dr.path / "topology.yaml").read_text()
-    as_user.write_text(text.replace(f"user: {ltm.credentials.user}", "user: no-configure"))
+    as_user = await _as_new_user(rabbit_dr, tmp_path / "topology.yaml", "no-configure", "", "^$")
     r = await asyncio.to_thread(ferry, "topology", "smoke", "--rabbitmq", "ltm", "--count", "10", topology=as_user)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: ACCESS_REFUSED - access to queue 'ferry.smoke."), r.stderr
@@ -112,15 +117,7 @@ async def test_a_management_refusal_names_the_request_and_what_the_user_lacks(
     rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
     """RabbitMQ answers 401 to a wrong password and to a tag the user lacks alike; its reason tells them apart."""
-    topo = profile_topology(rabbit_dr)
-    ltm = topo.rabbitmq("ltm")
-    async with Management(ltm) as m:
-        await m.put("/users/no-admin", {"password": ltm.credentials.password(), "tags": "management"})
-        await m.put("/permissions/%2F/no-admin", {"configure": ".*", "write": ".*", "read": ".*"})
-    as_user = tmp_path / "topology.yaml"
-    as_user.write_text(
-        (rabbit_dr.path / "topology.yaml").read_text().replace(f"user: {ltm.credentials.user}", "user: no-admin")
-    )
+    as_user = await _as_new_user(rabbit_dr, tmp_path / "topology.yaml", "no-admin", "management", ".*")
     async with Management(load_topology(as_user).rabbitmq("ltm")) as m:
         assert (await m.get("/overview"))["rabbitmq_version"]  # a management user may read this
         with pytest.raises(AuthError) as refused:
