@@ -69,8 +69,8 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
-        if "permissions violation" in str(exc).lower():
-            denied.append(str(exc).lower())
+        if "permissions violation" in str(exc).lower():  # nats-py lowercases what the server said
+            denied.append(str(exc))
             DENIALS.append(str(exc).removeprefix("nats: "))
 
     kwargs: dict[str, Any] = {
