@@ -191,3 +191,26 @@ def test_an_ipv6_broker_keeps_its_brackets_in_a_shovel_uri(monkeypatch: pytest.M
         }
     )
     assert amqp_uri(cluster, "/") == "amqp://ferry:pw@[::1]:5672/%2F"
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "refused"),
+    [
+        ("jetstream://east/ORDERS", "jetstream://east/ORDERS", True),
+        ("jetstream://east/ORDERS?subject=orders.a", "jetstream://east/ORDERS", True),
+        ("jetstream://east/ORDERS", "jetstream://west/ORDERS", False),
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F/q0", True),
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F", True),  # the same names
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F?exchange=x", False),  # an exchange routes anywhere
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/other/q0", False),
+        ("parquet:///tmp/x", "parquet:///tmp/x/", True),
+    ],
+)
+def test_a_copy_into_itself_is_refused_before_anything_is_asked(src: str, dst: str, refused: bool) -> None:
+    from ferry.errors import UsageError
+    from ferry.pipeline.copy import CopyOptions, _into_itself, plan_copy
+
+    assert _into_itself(parse_uri(src), parse_uri(dst)) is refused
+    if refused:  # no broker is asked: the topology's are not reachable from here
+        with pytest.raises(UsageError, match="copying it into itself would store it twice"):
+            plan_copy(parse_topology(VALID, "t.yaml"), src, dst, CopyOptions())

@@ -129,8 +129,23 @@ class CopyReport:
 # -- planning ------------------------------------------------------------------------------------
 
 
+def _into_itself(source: Endpoint, destination: Endpoint) -> bool:
+    """Whether a copy would write what it reads back where it reads it (a stream, a queue: a
+    destination queue left out or ``*`` means the same names; an exchange may route anywhere)."""
+    if source.kind != destination.kind:
+        return False
+    if source.kind == "jetstream":
+        return (source.cluster, source.stream) == (destination.cluster, destination.stream)
+    if source.kind == "rabbitmq":
+        same_queue = destination.queue in (None, "*", source.queue) and not destination.exchange
+        return same_queue and (source.cluster, source.vhost) == (destination.cluster, destination.vhost)
+    return Path(source.path or "").resolve() == Path(destination.path or "").resolve()
+
+
 def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> CopyPlan:
     source, destination = parse_uri(src), parse_uri(dst)
+    if _into_itself(source, destination):
+        raise UsageError(f"{src!r} and {dst!r} are the same place: copying it into itself would store it twice")
     if options.mode not in ("ordered", "parallel"):
         raise UsageError(f"--mode must be ordered or parallel, got {options.mode!r}")
     if options.partitions and options.partitions > 1:
