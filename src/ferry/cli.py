@@ -191,9 +191,21 @@ def topology_smoke(
 ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="A NATS cluster of the topology to talk to.")]
 
 
+def _stream_name(value: str | None) -> str | None:
+    """A stream argument that can name a stream (else a usage error, before any broker is asked)."""
+    from ferry.subjects import stream_name_problem
+
+    if value is not None and (why := stream_name_problem(value)):
+        raise typer.BadParameter(why)
+    return value
+
+
+StreamArg = Annotated[str, typer.Argument(callback=_stream_name)]
+
+
 @stream_app.command("add")
 def stream_add(
-    name: Annotated[str, typer.Argument()],
+    name: StreamArg,
     cluster: ClusterOpt,
     subjects: Annotated[list[str], typer.Option("--subject", "-s", metavar="SUBJECT", help="Subject (repeat).")],
     replicas: Annotated[int, typer.Option(min=1, max=5)] = 3,
@@ -214,9 +226,7 @@ def stream_add(
 
 
 @stream_app.command("info")
-def stream_info(
-    name: Annotated[str, typer.Argument()], cluster: ClusterOpt, topology: TopologyOpt = None, as_json: JsonOpt = False
-) -> None:
+def stream_info(name: StreamArg, cluster: ClusterOpt, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
     """Placement, leader, peers and state of a stream."""
     from ferry.brokers import nats as bnats
 
@@ -225,7 +235,7 @@ def stream_info(
 
 @stream_app.command("rm")
 def stream_rm(
-    name: Annotated[str, typer.Argument()],
+    name: StreamArg,
     cluster: ClusterOpt,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     topology: TopologyOpt = None,
@@ -411,7 +421,9 @@ def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[
 
 @app.command("move")
 def move_cmd(
-    stream: Annotated[str | None, typer.Argument(help="Stream to move (or --streams GLOB).")] = None,
+    stream: Annotated[
+        str | None, typer.Argument(help="Stream to move (or --streams GLOB).", callback=_stream_name)
+    ] = None,
     to: Annotated[str | None, typer.Option("--to", help="Destination cluster.")] = None,
     to_tags: Annotated[str | None, typer.Option("--to-tags", help="Destination server tags, comma-separated.")] = None,
     streams: Annotated[str | None, typer.Option("--streams", help="Move every stream matching this glob.")] = None,
@@ -577,7 +589,7 @@ app.add_typer(repair_app, name="repair")
 
 @repair_app.command("consumers")
 def repair_consumers_cmd(
-    stream: Annotated[str, typer.Argument(help="Stream whose durable consumers to check.")],
+    stream: Annotated[str, typer.Argument(help="Stream whose durable consumers to check.", callback=_stream_name)],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be recreated; change nothing.")] = False,
     via: Annotated[str | None, typer.Option("--via", help="Topology cluster to connect through.")] = None,
     topology: TopologyOpt = None,
@@ -1053,6 +1065,8 @@ def audit_cmd(
     topo = _topology(topology) if needs_topology else None
     ledgers = [str(p) for p in ledger]
     rows = check_inputs(topo, ledgers, tiers)
+    if not html.resolve().parent.is_dir():  # found out before the Spark job, not after it
+        raise UsageError(f"--html {str(html)!r}: no such directory {str(html.resolve().parent)!r}")
     spark = get_session(
         master=spark_master,
         remote=spark_remote,
@@ -1801,6 +1815,10 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         _interrupted()
+    except OSError as exc:  # a path that is not what the command needs (a file where a directory goes)
+        where = f": {exc.filename}" if exc.filename else ""
+        err.print(f"[red]error:[/] {escape(redact(exc.strerror or str(exc)))}{escape(str(where))}", highlight=False)
+        sys.exit(1)
     except Exception as exc:  # a Spark job's failure (from a task, or Spark's own): one line too
         # a broker's answer no command turned into a FerryError (a permission refused, say)
         module = type(exc).__module__

@@ -68,6 +68,14 @@ def problem(subject: str, literal: bool = False, strict: bool = False) -> str | 
     return None
 
 
+def stream_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a JetStream stream (the characters nats-py and the server refuse), or None."""
+    if not name:
+        return "a stream name cannot be empty"
+    bad = sorted({c for c in name if c in ">*. /\\\t\r\n"})
+    return f"invalid stream name {name!r}: no {' '.join(repr(c) for c in bad)} allowed" if bad else None
+
+
 def tokens(subject: str, literal: bool = False) -> list[str]:
     """The tokens of a valid pattern (literal subject if `literal`); raises :class:`SubjectError`."""
     why = problem(subject, literal)

@@ -19,6 +19,9 @@ from tests.unit.test_topology import VALID
         (["move", "S", "--to", "west", "--timeout", "soon"], "--timeout"),
         (["node", "evacuate"], "Missing argument"),
         (["no-such-command"], "No such command"),
+        (["stream", "info", "a b", "-c", "east"], "invalid stream name 'a b': no ' ' allowed"),
+        (["move", "bad.name", "--to", "west"], "invalid stream name 'bad.name': no '.' allowed"),
+        (["repair", "consumers", "x>"], "invalid stream name 'x>'"),
     ],
 )
 def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: str) -> None:
@@ -146,3 +149,35 @@ def test_ctrl_c_reaches_remote_spark_jobs_before_their_threads_end(monkeypatch: 
         cli.run(command())
     assert called and called[0] - t0 < 3, "the interrupt waited for the job"
     assert job_over.is_set()
+
+
+def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
+    """A directory for a file (OSError): one line, exit 1; an HTML report's missing directory is
+    found before the audit's Spark job, not after it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ferry.cli", "topology", "check", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and r.stderr.strip() == f"error: Is a directory: {tmp_path}", r.stderr
+    for d in ("ledger", "tier"):
+        (tmp_path / d).mkdir()
+        pq.write_table(pa.table({"id": ["a"]}), tmp_path / d / "part-0.parquet")
+    args = [
+        "audit",
+        "--ledger",
+        str(tmp_path / "ledger"),
+        "--tier",
+        f"t={tmp_path / 'tier'}",
+        "--html",
+        "/no/such/dir/a.html",
+    ]
+    r = subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True, timeout=60)
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "error: --html '/no/such/dir/a.html': no such directory '/no/such/dir'"
+    )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ferry.errors import ConfigError
+from ferry.subjects import stream_name_problem
 
 __all__ = ["Endpoint", "parse_uri"]
 
@@ -74,8 +75,8 @@ def parse_uri(uri: str) -> Endpoint:
         if len(segments) != 1 or not segments[0]:
             raise ConfigError(f"{uri!r}: expected jetstream://CLUSTER/STREAM")
         stream = unquote(segments[0])
-        if any(c in stream for c in " .*>\t"):
-            raise ConfigError(f"{uri!r}: invalid stream name {stream!r}")
+        if why := stream_name_problem(stream):
+            raise ConfigError(f"{uri!r}: {why}")
         return Endpoint(
             kind,
             uri,
