@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, UsageError
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound, UsageError
 from ferry.pipeline._amqp import raw_connect
 from ferry.pipeline._nats import Wire
 from ferry.publish import Ack, Pacer, Publisher
@@ -156,6 +156,8 @@ def _parse_target(target: str) -> tuple[str, str, str]:
     if parts.scheme not in ("nats", "jetstream", "rabbitmq") or not parts.netloc:
         raise ConfigError(f"{target!r}: target must be nats://CLUSTER, jetstream://CLUSTER or rabbitmq://CLUSTER/VHOST")
     vhost = unquote(parts.path[1:]) if parts.path and parts.path != "/" else "/"
+    if parts.scheme != "rabbitmq" and vhost != "/":
+        raise ConfigError(f"{target!r}: {parts.scheme}://CLUSTER takes no path (the subject says where messages go)")
     return parts.scheme, parts.netloc, vhost
 
 
@@ -175,6 +177,8 @@ async def run_load(
         from ferry.subjects import tokens
 
         tokens(opts.subject.replace("{n}", "0"), literal=True)  # a publish needs a literal subject
+        if kind == "jetstream":
+            await _a_stream_takes(topology, cluster, opts.subject.replace("{n}", "0"))
     stop = stop or asyncio.Event()
     ledger = Ledger(opts.ledger)
     summary = LoadSummary(opts.run, str(opts.ledger))
@@ -253,6 +257,23 @@ async def run_load(
             "sent without an ack)"
         )
     return summary
+
+
+async def _a_stream_takes(topology: Topology, cluster: str, subject: str) -> None:
+    """Refuse a JetStream load whose subject no stream takes: every publish would fail (after
+    retries, a minute each) rather than at once."""
+    from nats.js.errors import NotFoundError
+
+    from ferry.brokers import nats as bnats
+
+    async with bnats.session(topology.nats(cluster), name=cluster) as nc:
+        try:
+            await nc.jsm().find_stream_name_by_subject(subject)
+        except NotFoundError:
+            raise NotFound(
+                f"no stream in cluster {cluster!r} takes {subject!r}: create one first (ferry stream add), "
+                "or load nats:// for core publishes"
+            ) from None
 
 
 class _Sender:

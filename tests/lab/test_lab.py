@@ -86,6 +86,15 @@ def test_a_stream_the_server_refuses_is_one_line(sites: lab.LabState) -> None:
     ferry("stream", "rm", "SINGLE", "--cluster", "nyc", "--yes", topology=topology, check=True)
 
 
+def test_a_jetstream_load_no_stream_takes_is_refused_at_once(sites: lab.LabState, tmp_path: Path) -> None:
+    """Every publish would fail after a minute of retries: it used to take that long, and exit 0."""
+    args = ("load", "jetstream://nyc", "--subject", "nostream.{n}", "--count", "10", "--ledger", str(tmp_path / "l"))
+    r = ferry(*args, topology=sites.path / "topology.yaml", timeout=60)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no stream in cluster 'nyc' takes 'nostream.0'" in r.stderr, r.stderr
+    assert not (tmp_path / "l").exists()
+
+
 async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabState) -> None:
     _all_ok(rabbit_dr)
     result = await smoke.rabbit_smoke(profile_topology(rabbit_dr), "ltm", count=2000)

@@ -46,6 +46,19 @@ def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, optio
     assert not (tmp_path / "ledger").exists()
 
 
+def test_a_nats_load_target_with_a_stream_in_it_is_refused(tmp_path) -> None:
+    """The subject says where a NATS load goes: a path (a stream's name, say) would be ignored."""
+    topo = tmp_path / "t.yaml"
+    topo.write_text(VALID)
+    args = ["load", "jetstream://east/ORDERS", "--subject", "o.{n}", "--count", "5", "--ledger", str(tmp_path / "l")]
+    r = subprocess.run(
+        [sys.executable, "-m", "ferry.cli", *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "'jetstream://east/ORDERS': jetstream://CLUSTER takes no path" in r.stderr, r.stderr
+    assert not (tmp_path / "l").exists()
+
+
 @pytest.mark.parametrize("broken", ["ledger", "tier"])
 def test_an_audit_input_that_is_not_parquet_is_one_line(tmp_path, broken: str) -> None:
     import pyarrow as pa
