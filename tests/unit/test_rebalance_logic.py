@@ -94,3 +94,15 @@ def test_haproxy_config_checks_node_and_ferry() -> None:
     assert "uri-lf /availability_check?node=%[srv_name]" in cfg
     assert "http-check connect addr 127.0.0.1 port 8377" in cfg
     assert "balance leastconn" in cfg
+
+
+def test_a_rebalance_may_move_twice_the_leaders_its_proposal_plans() -> None:
+    from ferry.ops.rebalance import leader_move_budget
+
+    proposal = [
+        {"node": "a", "sessions": 8, "sessions_after": 6},
+        {"node": "b", "sessions": 9, "sessions_after": 6},
+        {"node": "c", "sessions": 0, "sessions_after": 5},
+    ]
+    assert leader_move_budget(proposal) == 2 * 5 + 3
+    assert leader_move_budget([{**r, "sessions_after": r["sessions"]} for r in proposal]) == 3
