@@ -1010,6 +1010,9 @@ def snapshot_cmd(
         str, typer.Argument(help="jetstream://CLUSTER/STREAM or rabbitmq://CLUSTER/VHOST/QUEUE (vhost *, queue a glob)")
     ],
     out_dir: Annotated[Path, typer.Option("--out", help="New (or empty) directory for the Parquet snapshot.")],
+    federated: Annotated[
+        bool, typer.Option(help="Read federated queues too: reading one pulls messages from its upstream into it.")
+    ] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
@@ -1022,7 +1025,7 @@ def snapshot_cmd(
     topo = _topology(topology)
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot", data_sources=False)
     with _busy(f"snapshot of {source} (a Spark job)", not as_json):
-        result = snapshot(topo, spark, source, out_dir)
+        result = snapshot(topo, spark, source, out_dir, federated)
     if as_json:
         print_json(result)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -150,7 +151,7 @@ def _assert_rich_preserved(snapshot: Path) -> None:
 
 def _audit(spark: Any, dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
     snap = tmp_path / "pc1-snap"
-    ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), topology=dr["topology"], check=True)
+    ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), "--federated", topology=dr["topology"], check=True)
     _assert_rich_preserved(snap)
     return judge(spark, dr["topology"], dr["ledger"], str(snap), tmp_path / "audit.html", max_dup=max_dup)
 
@@ -274,6 +275,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
     before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+    upstream = asyncio.run(_counts(topo, "art", []))
     text = topology.read_text()
     bad_password = tmp_path / "wrong"
     bad_password.write_text("not-the-password")
@@ -293,6 +295,11 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
         assert result.returncode != 0, args
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], (args, result.stderr)
+    # reading a federated queue would pull its upstream's messages into it: a snapshot refuses it
+    snap = ferry("snapshot", "rabbitmq://ltm/fb-a/fed-*", "--out", str(tmp_path / "snap"), topology=topology)
+    assert snap.returncode == 2 and len(snap.stderr.strip().splitlines()) == 1, snap.stderr
+    assert re.search(r"queue fb-a/fed-\d is federated \(policy '.+'\): reading it would pull", snap.stderr)
+    assert asyncio.run(_counts(topo, "art", [])) == upstream
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}

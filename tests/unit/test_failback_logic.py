@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ferry.brokers.rabbitmq import effective_policy
 from ferry.errors import redact
-from ferry.ops.failback import effective_policy, public
+from ferry.ops.failback import public
 
 
 def _policy(name: str, pattern: str, priority: int = 0, apply_to: str = "queues", vhost: str = "/") -> dict:

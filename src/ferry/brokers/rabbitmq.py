@@ -184,3 +184,20 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
             user, pw = (creds.user, creds.password()) if creds else (None, None)
             checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
     return list(await asyncio.gather(*checks))
+
+
+FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")  # a policy's keys that federate a queue
+
+
+def effective_policy(policies: list[dict[str, Any]], vhost: str, name: str) -> dict[str, Any] | None:
+    """The policy RabbitMQ applies to queue `name`: the highest-priority one whose pattern matches.
+
+    Computed from the policies rather than read from the queue listing, which
+    shows a new policy only after the next statistics emission (seconds later).
+    """
+    matching = [
+        p
+        for p in policies
+        if p["vhost"] == vhost and p.get("apply-to", "all") in ("all", "queues") and re.search(p["pattern"], name)
+    ]
+    return max(matching, key=lambda p: p.get("priority", 0), default=None)

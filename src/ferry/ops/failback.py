@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import re
 import socket
 import threading
 import time
@@ -50,7 +49,7 @@ from typing import Any
 import aio_pika
 import aiormq
 
-from ferry.brokers.rabbitmq import Management, amqp_connect, amqp_uri, q
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, amqp_uri, effective_policy, q
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError, redact
 from ferry.ops import Emit, no_emit
 from ferry.pipeline._amqp import QueueCounts
@@ -61,7 +60,6 @@ __all__ = ["JOURNAL", "FailbackRequest", "failback"]
 JOURNAL = "ferry-failback"  # global parameter on the source broker
 LOCK = "ferry-failback-lock"  # exclusive queue held while ferry works
 SHOVEL_PREFIX = "ferry-failback-"
-FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")
 POLL = 0.2
 
 
@@ -92,20 +90,6 @@ def public(plan: dict[str, Any]) -> dict[str, Any]:
 
 def _federation(definition: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (definition or {}).items() if k in FEDERATION_KEYS}
-
-
-def effective_policy(policies: list[dict[str, Any]], vhost: str, name: str) -> dict[str, Any] | None:
-    """The policy RabbitMQ applies to queue `name`: the highest-priority one whose pattern matches.
-
-    Computed from the policies rather than read from the queue listing, which
-    shows a new policy only after the next statistics emission (seconds later).
-    """
-    matching = [
-        p
-        for p in policies
-        if p["vhost"] == vhost and p.get("apply-to", "all") in ("all", "queues") and re.search(p["pattern"], name)
-    ]
-    return max(matching, key=lambda p: p.get("priority", 0), default=None)
 
 
 async def _federated_queues(m: Management, vhosts: list[str]) -> list[dict[str, Any]]:

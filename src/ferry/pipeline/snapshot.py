@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ferry.brokers.rabbitmq import Management, q
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, effective_policy, q
 from ferry.errors import ConfigError, UsageError
 from ferry.pipeline._common import iterate, per_index, rabbit_cluster
 from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy, write_parquet
@@ -32,7 +32,9 @@ from ferry.topology import RabbitCluster, Topology
 __all__ = ["snapshot"]
 
 
-def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str, Any]:
+def snapshot(topology: Topology, spark: Any, source: str, out: Path, federated: bool = False) -> dict[str, Any]:
+    """What a stream or queues hold, into Parquet at `out`. A federated queue is refused unless
+    `federated`: reading it pulls messages from its upstream into it."""
     src = parse_uri(source)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"snapshot directory {out} is not empty")
@@ -43,7 +45,7 @@ def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str
     if src.kind != "rabbitmq":
         raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
     cluster = topology.rabbitmq(src.cluster or "")
-    queues = asyncio.run(_queues(cluster, src.cluster or "", src.vhost or "/", src.queue or "*"))
+    queues = asyncio.run(_queues(cluster, src.cluster or "", src.vhost or "/", src.queue or "*", federated))
     if not queues:
         raise ConfigError(f"{source!r}: no queue to snapshot")
     cluster_json, name = cluster.model_dump_json(), src.cluster or ""
@@ -62,9 +64,12 @@ def snapshot(topology: Topology, spark: Any, source: str, out: Path) -> dict[str
     }
 
 
-async def _queues(cluster: RabbitCluster, name: str, vhost: str, queue: str) -> list[tuple[str, str]]:
+async def _queues(
+    cluster: RabbitCluster, name: str, vhost: str, queue: str, federated: bool = False
+) -> list[tuple[str, str]]:
     async with Management(cluster, name=name) as m:
         vhosts = [v["name"] for v in await m.get("/vhosts")] if vhost == "*" else [vhost]
+        policies = await m.get("/policies")
         found = []
         for v in vhosts:
             listed = await m.get(f"/queues/{q(v)}", ok404=True)
@@ -80,6 +85,12 @@ async def _queues(cluster: RabbitCluster, name: str, vhost: str, queue: str) -> 
                     raise ConfigError(
                         f"queue {v}/{item['name']} has a delivery limit ({limit}): a snapshot counts "
                         "as a delivery and could dead-letter its messages; refusing"
+                    )
+                policy = effective_policy(policies, v, item["name"])
+                if not federated and policy and any(k in policy["definition"] for k in FEDERATION_KEYS):
+                    raise ConfigError(
+                        f"queue {v}/{item['name']} is federated (policy {policy['name']!r}): reading it would "
+                        "pull messages from its upstream into it; --federated to read it all the same"
                     )
                 found.append((v, item["name"]))
         if not found and "*" not in queue:
