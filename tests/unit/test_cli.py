@@ -61,19 +61,42 @@ def test_a_nats_load_target_with_a_stream_in_it_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("broken", ["ledger", "tier"])
 def test_an_audit_input_that_is_not_parquet_is_one_line(tmp_path, broken: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    good.mkdir()
+    ledger, tier = audit_inputs(tmp_path)
+    bad = tmp_path / "bad"
     bad.mkdir()
-    pq.write_table(pa.table({"id": ["a"]}), good / "part-0.parquet")
     (bad / "notes.txt").write_text("not a table")
-    ledger, tier = (bad, good) if broken == "ledger" else (good, bad)
+    ledger, tier = (bad, tier) if broken == "ledger" else (ledger, bad)
     args = ["audit", "--ledger", str(ledger), "--tier", f"t={tier}", "--html", str(tmp_path / "r.html")]
     r = subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"error: {broken} '{bad}' is not Parquet") and not (tmp_path / "r.html").exists()
+
+
+def audit_inputs(root):  # type: ignore[no-untyped-def]
+    """An empty ledger and an empty snapshot, as `ferry load` and `ferry snapshot` write them."""
+    import pyarrow.parquet as pq
+
+    from ferry.load import LEDGER_SCHEMA
+    from ferry.pipeline.schema import ARROW_SCHEMA
+
+    for name, schema in (("ledger", LEDGER_SCHEMA), ("tier", ARROW_SCHEMA)):
+        (root / name).mkdir()
+        pq.write_table(schema.empty_table(), root / name / "part-0.parquet")
+    return root / "ledger", root / "tier"
+
+
+def test_a_ledger_for_a_snapshot_or_an_empty_directory_is_named_before_spark_runs(tmp_path) -> None:
+    ledger, tier = audit_inputs(tmp_path)
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--ledger", str(tier), "--tier", f"t={tier}"], f"ledger '{tier}' is not a ledger (`ferry load --ledger`): "),
+        (["--ledger", str(ledger), "--tier", f"t={ledger}"], f"tier '{ledger}' is not a snapshot (`ferry snapshot`)"),
+        (["--ledger", str(tmp_path / "empty"), "--tier", f"t={tier}"], "holds no Parquet file"),
+    ]
+    audit = [sys.executable, "-m", "ferry.cli", "audit"]
+    for args, expected in cases:
+        r = subprocess.run([*audit, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
 
 
 def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,30 +190,11 @@ def test_ctrl_c_reaches_remote_spark_jobs_before_their_threads_end(monkeypatch: 
 def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
     """A directory for a file (OSError): one line, exit 1; an HTML report's missing directory is
     found before the audit's Spark job, not after it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    r = subprocess.run(
-        [sys.executable, "-m", "ferry.cli", "topology", "check", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cli = [sys.executable, "-m", "ferry.cli"]
+    r = subprocess.run([*cli, "topology", "check", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip() == f"error: Is a directory: {tmp_path}", r.stderr
-    for d in ("ledger", "tier"):
-        (tmp_path / d).mkdir()
-        pq.write_table(pa.table({"id": ["a"]}), tmp_path / d / "part-0.parquet")
-    args = [
-        "audit",
-        "--ledger",
-        str(tmp_path / "ledger"),
-        "--tier",
-        f"t={tmp_path / 'tier'}",
-        "--html",
-        "/no/such/dir/a.html",
-    ]
-    r = subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True, timeout=60)
-    assert (
-        r.returncode == 2
-        and r.stderr.strip() == "error: --html '/no/such/dir/a.html': no such directory '/no/such/dir'"
-    )
+    ledger, tier = audit_inputs(tmp_path)
+    args = ["audit", "--ledger", str(ledger), "--tier", f"t={tier}", "--html", "/no/such/dir/a.html"]
+    r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: --html '/no/such/dir/a.html': no such directory '/no/such/dir'"

@@ -43,6 +43,12 @@ _DELAY_FLOOR = 2.0**-10  # ms; shorter delays (and negative ones, clock skew) co
 FULL_JVM_ROWS = 1_000_000
 
 
+_COLUMNS = {  # what the audit cannot do without (a tier's other columns are read as null when absent)
+    "ledger": ("id", "sent_ns", "outcome", "hash"),
+    "tier": ("payload", "source_seq"),
+}
+
+
 def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> int:
     """Refuse a missing ledger or snapshot, a bad URI or an unknown stream before Spark starts.
     Returns the rows to reconcile, from the files' metadata and the streams' state."""
@@ -56,9 +62,17 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
 
     def parquet_rows(what: str, path: str) -> int:
         try:
-            return ds.dataset(path, format="parquet").count_rows()
+            data = ds.dataset(path, format="parquet")
+            rows = data.count_rows()
         except (pa.ArrowInvalid, OSError) as exc:
             raise ConfigError(f"{what} {path!r} is not Parquet ({str(exc).splitlines()[0]})") from None
+        if not data.files:
+            raise ConfigError(f"{what} {path!r} holds no Parquet file")
+        missing = [c for c in _COLUMNS[what] if c not in data.schema.names]
+        if missing:
+            kind = "a ledger (`ferry load --ledger`)" if what == "ledger" else "a snapshot (`ferry snapshot`)"
+            raise ConfigError(f"{what} {path!r} is not {kind}: it has no column {', '.join(missing)}")
+        return rows
 
     rows = 0
     for path in ledgers:
