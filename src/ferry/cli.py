@@ -188,6 +188,17 @@ def topology_smoke(
 
 # -- stream -------------------------------------------------------------------------------
 
+
+def _redelivered(n: int) -> str:
+    """The warning for queue messages that came with the redelivered flag: RabbitMQ says only that
+    they were delivered before, not by whom."""
+    return (
+        f"[yellow]{n:,} messages came redelivered (delivered before and not acked: an interrupted run, a "
+        "snapshot, or another consumer): any an earlier run had stored is a duplicate at the destination "
+        "(it carries x-ferry-transfer; `ferry audit` counts them)[/]"
+    )
+
+
 ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="A NATS cluster of the topology to talk to.")]
 
 
@@ -349,10 +360,7 @@ def copy_cmd(
             )
         out.print(table)
     if report.possible_duplicates:
-        out.print(
-            f"[yellow]{report.possible_duplicates:,} messages were redelivered after an interrupted run and "
-            "may be duplicates at the destination (they carry x-ferry-transfer; `ferry audit` counts them)[/]"
-        )
+        out.print(_redelivered(report.possible_duplicates))
 
 
 def _print_plan(plan: dict[str, Any]) -> None:
@@ -714,10 +722,7 @@ def failback_cmd(
         + (f"; leftover shovels removed: {report['shovels_deleted']}" if report["shovels_deleted"] else "")
     )
     if report["possible_duplicates"]:
-        out.print(
-            f"[yellow]{report['possible_duplicates']:,} messages were redelivered after an interrupted run and may "
-            "be duplicates (they carry x-ferry-transfer; `ferry audit` counts them)[/]"
-        )
+        out.print(_redelivered(report["possible_duplicates"]))
 
 
 def _count(n: int | None) -> str:

@@ -112,7 +112,7 @@ class CopyReport:
     read: int = 0
     stored: int = 0
     duplicates: int = 0  # already at the destination (duplicate acks): not stored twice
-    possible_duplicates: int = 0  # RabbitMQ: redelivered after an interrupted run
+    possible_duplicates: int = 0  # RabbitMQ: came redelivered (an interrupted run, a snapshot, another consumer)
     retries: int = 0
     bytes: int = 0  # payload bytes
     seconds: float = 0.0
