@@ -692,8 +692,11 @@ def failback_cmd(
         for name, left in report["left"].items():
             out.print(f"  {name}: {left:,} left")
         return
-    if report["outcome"] in ("nothing to do", "nothing to abort"):
-        out.print(f"{report['outcome']}: no federated queue on {source} holds ready messages")
+    if report["outcome"] == "nothing to do":
+        out.print(f"nothing to do: no federated queue on {source} holds ready messages")
+        return
+    if report["outcome"] == "nothing to abort":
+        out.print(f"nothing to abort: no failback from {source} is in progress")
         return
     if report["outcome"] == "dry-run":
         return
