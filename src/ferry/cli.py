@@ -501,6 +501,9 @@ def move_cmd(
     if failed:
         from ferry.errors import OperationFailed
 
+        if streams:  # each one's error was printed as it came
+            names = sorted({r["stream"] for r in failed})
+            raise OperationFailed(f"{len(names)} of {len(results)} moves did not finish: {', '.join(names)}")
         raise OperationFailed("; ".join(f"{r['stream']}: {r.get('error') or r.get('outcome')}" for r in failed))
 
 
