@@ -1564,8 +1564,8 @@ def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> 
     table = Table("replication", "state", "leader", "stream", "relayed", "lag", "lag s", "rate/s")
     for r in rows:
         name = f"{r.get('source', '?')} -> {r.get('dest')}"
-        if r.get("error"):
-            table.add_row(name, "[red]unreachable[/]", "", "", "", "", "", r["error"])
+        if r.get("unreachable"):
+            table.add_row(name, "[red]unreachable[/]", "", "", "", "", "", r["unreachable"])
             continue
         leader = f"{r['leader']['host']}:{r['leader']['pid']}" if r.get("leader") else "-"
         state = r.get("summary") or f"{r.get('state')} ({r.get('desired')})"

@@ -116,7 +116,7 @@ def _check(topo: Topology, rep: Replication) -> None:
 
 
 async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
-    async with bnats.session(cluster, name=CONTROL) as nc:
+    async with bnats.session(cluster, name=site, client_name=CONTROL) as nc:
         names = [n async for n in paged(nc, "$JS.API.STREAM.NAMES", "streams")]
     found = sorted(n for n in names if fnmatch.fnmatchcase(n, glob) and not n.startswith("KV_"))
     if not found:
@@ -135,8 +135,8 @@ async def _ensure_streams(
 
     created, batched, leaders = [], True, {}
     async with (
-        bnats.session(_cluster(topo, rep.source), name=CONTROL) as snc,
-        bnats.session(_cluster(topo, rep.dest), name=CONTROL) as dnc,
+        bnats.session(_cluster(topo, rep.source), name=rep.source, client_name=CONTROL) as snc,
+        bnats.session(_cluster(topo, rep.dest), name=rep.dest, client_name=CONTROL) as dnc,
     ):
         for stream in streams:
             name = rep.dest_stream(stream)
@@ -187,7 +187,7 @@ class Held:
 async def held(cluster: NatsCluster, site: str, stream: str, origin: str, origin_stream: str) -> Held:
     """Read the destination stream backwards until SCAN messages from (origin, origin_stream) are seen."""
     out = Held()
-    async with bnats.session(cluster, name=CONTROL) as nc:
+    async with bnats.session(cluster, name=site, client_name=CONTROL) as nc:
         st = (await nc.jsm().stream_info(stream)).state
     cfg = js.ReadConfig(cluster=cluster.model_dump_json(), name=site, streams=(stream,))
     hi, window = st.last_seq, 5_000
@@ -344,7 +344,7 @@ def _offsets(query: Any) -> dict[str, int] | None:
 
 @contextlib.asynccontextmanager
 async def _journal(topo: Topology, site: str, key: str, stale_after: float = 10.0) -> Any:
-    async with bnats.session(_cluster(topo, site), name=CONTROL) as nc:
+    async with bnats.session(_cluster(topo, site), name=site, client_name=CONTROL) as nc:
         j = Journal(nc, key, stale_after=stale_after)
         await j.open()
         yield j
@@ -384,7 +384,8 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
                 raise Conflict(
                     f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
                 )
-            return {**state, "created": (await _ensure_streams(topo, rep, streams))[0], "already": True}
+            created = (await _ensure_streams(topo, rep, streams))[0]
+            return {**state, "dest_streams": dest_streams, "created": created, "already": True}
         if state and j.owner_alive(state):
             raise Conflict(f"the relay {rep.source} -> {rep.dest} is still stopping; try again in a few seconds")
         created, *_ = await _ensure_streams(topo, rep, streams)
@@ -440,7 +441,7 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
                     state = await j.get(key) or {}
                     out.append(_status_row(state, time.time()))
         except Exception as exc:  # one unreachable site must not hide the others
-            out.append({"dest": site, "error": _first_line(exc)})
+            out.append({"dest": site, "unreachable": _first_line(exc)})
     for row in out:
         if row.get("progress") and not any(p.get("rate") is not None for p in row["progress"].values()):
             await _lag_now(topo, row)
@@ -455,7 +456,8 @@ async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
     marker = row.get("marker") or {}
     relayed = {s: int(marker.get(s) or p.get("relayed") or 0) for s, p in row["progress"].items()}
     try:
-        async with bnats.session(_cluster(topo, row["source"]), name=CONTROL, timeout=2) as nc:
+        source = row["source"]
+        async with bnats.session(_cluster(topo, source), name=source, client_name=CONTROL, timeout=2) as nc:
             fresh = await _lags(nc, relayed)
     except Exception:
         for p in row["progress"].values():
@@ -604,7 +606,7 @@ class Relay:
                 j.state = state
                 try:
                     takeovers = state.get("takeovers", 0) + (owner is not None)
-                    await j.save(state="resuming", takeovers=takeovers, lease=self.lease)
+                    await j.save(state="resuming", error=None, takeovers=takeovers, lease=self.lease)
                 except Exception:  # taken by another standby first, or the KV did not answer
                     await asyncio.sleep(0.5)
                     continue
@@ -679,7 +681,7 @@ class Relay:
 
     async def _stop_marker(self, lease: _Lease, rep: Replication, streams: list[str]) -> None:
         """After a graceful stop: the exact position per stream, unless something is missing below it."""
-        await _settle(_cluster(self.topo, rep.dest), [rep.dest_stream(s) for s in streams])
+        await _settle(_cluster(self.topo, rep.dest), rep.dest, [rep.dest_stream(s) for s in streams])
         found = await positions(self.topo, rep, streams, _floors(lease.j.state))
         exact = all(h.holes() is None for h in found.values())
         marker = {s: h.last for s, h in found.items()} if exact else None
@@ -692,9 +694,9 @@ def _floors(state: dict[str, Any]) -> dict[str, int]:
     return {s: int(p["relayed"]) for s, p in (state.get("progress") or {}).items() if p.get("relayed")}
 
 
-async def _settle(cluster: NatsCluster, streams: list[str], quiet: float = 0.5, limit: float = 5.0) -> None:
+async def _settle(cluster: NatsCluster, site: str, streams: list[str], quiet: float = 0.5, limit: float = 5.0) -> None:
     """Wait until the streams' last sequences stop moving (late publishes of a stopped query)."""
-    async with bnats.session(cluster, name=CONTROL) as nc:
+    async with bnats.session(cluster, name=site, client_name=CONTROL) as nc:
         jsm, last, deadline = nc.jsm(), None, time.monotonic() + limit
         while time.monotonic() < deadline:
             now = [(await jsm.stream_info(s)).state.last_seq for s in streams]
@@ -708,7 +710,7 @@ class _Progress:
     """Per stream: last relayed origin sequence, lag in messages and seconds, rate."""
 
     def __init__(self, topo: Topology, rep: Replication, after: dict[str, int]) -> None:
-        self.cluster = _cluster(topo, rep.source)
+        self.cluster, self.site = _cluster(topo, rep.source), rep.source
         self.relayed = dict(after)
         self.then = (time.monotonic(), dict(after))
         self.nc: Any = None  # one connection to the source for the relay's life (it reconnects by itself)
@@ -726,7 +728,7 @@ class _Progress:
         self.then = (now, dict(self.relayed))
         out: dict[str, dict[str, Any]] = {}
         try:
-            self.nc = self.nc or await bnats.connect(self.cluster, name=CONTROL, timeout=2)
+            self.nc = self.nc or await bnats.connect(self.cluster, name=self.site, client_name=CONTROL, timeout=2)
             out = await _lags(self.nc, self.relayed)
         except Exception:  # the source is unreachable: lag unknown
             out = {s: {"relayed": r, "source_last": None, "lag": None, "lag_s": None} for s, r in self.relayed.items()}
@@ -802,7 +804,7 @@ async def _save_site(topo: Topology, site: str, record: dict[str, Any]) -> None:
 
 async def _reachable(topo: Topology, site: str) -> bool:
     try:
-        async with bnats.session(_cluster(topo, site), name=CONTROL, timeout=2):
+        async with bnats.session(_cluster(topo, site), name=site, client_name=CONTROL, timeout=2):
             return True
     except FerryError:
         return False
