@@ -189,16 +189,6 @@ def topology_smoke(
 # -- stream -------------------------------------------------------------------------------
 
 
-def _redelivered(n: int) -> str:
-    """The warning for queue messages that came with the redelivered flag: RabbitMQ says only that
-    they were delivered before, not by whom."""
-    return (
-        f"[yellow]{n:,} messages came redelivered (delivered before and not acked: an interrupted run, a "
-        "snapshot, or another consumer): any an earlier run had stored is a duplicate at the destination "
-        "(it carries x-ferry-transfer; `ferry audit` counts them)[/]"
-    )
-
-
 ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="A NATS cluster of the topology to talk to.")]
 
 
@@ -729,6 +719,16 @@ def failback_cmd(
     )
     if report["possible_duplicates"]:
         out.print(_redelivered(report["possible_duplicates"]))
+
+
+def _redelivered(n: int) -> str:
+    """The warning for queue messages that came with the redelivered flag: RabbitMQ says only that
+    they were delivered before, not by whom."""
+    return (
+        f"[yellow]{n:,} messages came redelivered (delivered before and not acked: an interrupted run, a "
+        "snapshot, or another consumer): any an earlier run had stored is a duplicate at the destination "
+        "(it carries x-ferry-transfer; `ferry audit` counts them)[/]"
+    )
 
 
 def _count(n: int | None) -> str:
