@@ -993,6 +993,8 @@ async def _write_ordered(
             bad = [a for a in failures if a.err_code != _WRONG_LAST_SEQ]
             if pending and stored == 0 and (bad or stalled >= 10):
                 reason = bad[0].error if bad else "no progress after 10 attempts"
+                if "expected stream does not match" in reason:  # the subject is another stream's, or none's
+                    reason += f" ({bad[0].subject!r} is not one of {cfg.stream}'s subjects: --subject-prefix maps them)"
                 raise FerryError(f"jetstream ordered write to {cfg.stream}: {reason}")
             if stalled:  # a leader election refuses quick attempts: back off (5.5 s before the 10th)
                 await asyncio.sleep(min(1.0, 0.05 * 2 ** (stalled - 1)))
