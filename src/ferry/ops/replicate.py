@@ -102,6 +102,11 @@ def _cluster(topo: Topology, site: str) -> NatsCluster:
         raise UsageError(f"site {site!r}: {exc}") from None
 
 
+def _session(topo: Topology, site: str, timeout: float = 5.0) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A connection to `site`, whose errors name it."""
+    return bnats.session(_cluster(topo, site), name=site, client_name=CONTROL, timeout=timeout)
+
+
 def _check(topo: Topology, rep: Replication) -> None:
     if rep.source == rep.dest:
         raise UsageError("--from and --to must be different sites")
@@ -135,8 +140,8 @@ async def _ensure_streams(
 
     created, batched, leaders = [], True, {}
     async with (
-        bnats.session(_cluster(topo, rep.source), name=rep.source, client_name=CONTROL) as snc,
-        bnats.session(_cluster(topo, rep.dest), name=rep.dest, client_name=CONTROL) as dnc,
+        _session(topo, rep.source) as snc,
+        _session(topo, rep.dest) as dnc,
     ):
         for stream in streams:
             name = rep.dest_stream(stream)
@@ -344,7 +349,7 @@ def _offsets(query: Any) -> dict[str, int] | None:
 
 @contextlib.asynccontextmanager
 async def _journal(topo: Topology, site: str, key: str, stale_after: float = 10.0) -> Any:
-    async with bnats.session(_cluster(topo, site), name=site, client_name=CONTROL) as nc:
+    async with _session(topo, site) as nc:
         j = Journal(nc, key, stale_after=stale_after)
         await j.open()
         yield j
@@ -456,8 +461,7 @@ async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
     marker = row.get("marker") or {}
     relayed = {s: int(marker.get(s) or p.get("relayed") or 0) for s, p in row["progress"].items()}
     try:
-        source = row["source"]
-        async with bnats.session(_cluster(topo, source), name=source, client_name=CONTROL, timeout=2) as nc:
+        async with _session(topo, row["source"], timeout=2) as nc:
             fresh = await _lags(nc, relayed)
     except Exception:
         for p in row["progress"].values():
@@ -804,7 +808,7 @@ async def _save_site(topo: Topology, site: str, record: dict[str, Any]) -> None:
 
 async def _reachable(topo: Topology, site: str) -> bool:
     try:
-        async with bnats.session(_cluster(topo, site), name=site, client_name=CONTROL, timeout=2):
+        async with _session(topo, site, timeout=2):
             return True
     except FerryError:
         return False
