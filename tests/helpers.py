@@ -194,3 +194,11 @@ async def _second_read(topo: Topology, cluster: str, stream: str, lost: set[str]
         await sub.unsubscribe()
     held = f"{state.messages} ({state.first_seq}-{state.last_seq})"
     return f"second read: {stream} holds {held}; {found} of the {len(lost)} listed lost ids are in it"
+
+
+def as_nats_user(state: Any, user: str, root: Path) -> Path:
+    """A copy of lab `state`'s topology whose NATS clusters use the lab's user `user` (one of
+    ``ferry.lab.nats.LIMITED_USERS``, which share the app password) instead of ``app``."""
+    path = root / f"{user}.yaml"
+    path.write_text((state.path / "topology.yaml").read_text().replace("user: app", f"user: {user}"))
+    return path

@@ -20,7 +20,7 @@ from ferry.brokers import nats as bnats
 from ferry.lab.procs import free_ports, port_open
 from ferry.ops import move as mv
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, judge, make_stream
+from tests.helpers import FERRY, as_nats_user, ferry, judge, make_stream
 
 pytestmark = pytest.mark.lab
 
@@ -285,21 +285,17 @@ def test_what_ferrys_user_may_not_do_is_named_and_a_guard_it_may_not_run_refuses
     asyncio.run(make_stream(topo, "east", "MOVE_L", ["limited.>"], placement="east"))
     asyncio.run(make_stream(topo, "east", "LIMITED", ["readable.>"], placement="east"))
 
-    def as_user(user: str) -> Path:
-        path = tmp_path / f"{user}.yaml"
-        path.write_text(topology_of(supercluster).read_text().replace("user: app", f"user: {user}"))
-        return path
-
     # no reply can reach a user that may not subscribe to its inbox: said at the first request's timeout
-    r = ferry("move", "MOVE_L", "--to", "west", topology=as_user("no-inbox"), timeout=120)
+    no_inbox = as_nats_user(supercluster, "no-inbox", tmp_path)
+    r = ferry("move", "MOVE_L", "--to", "west", topology=no_inbox, timeout=120)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no answer to $JS.API.STREAM.INFO.MOVE_L: the server refused" in r.stderr, r.stderr
     assert "allow it to subscribe to _INBOX.>" in r.stderr, r.stderr
-    r = ferry("stream", "info", "MOVE_L", "-c", "east", topology=as_user("no-inbox"), timeout=120)
+    r = ferry("stream", "info", "MOVE_L", "-c", "east", topology=no_inbox, timeout=120)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "the server had refused ferry's user: permissions violation for subscription to \"_inbox." in r.stderr
 
-    limited = as_user("limited")
+    limited = as_nats_user(supercluster, "limited", tmp_path)
 
     # a guard that could hear nothing would prove nothing: the move is refused before anything changes
     r = ferry("move", "MOVE_L", "--to", "west", topology=limited, timeout=120)

@@ -20,7 +20,7 @@ from ferry.pipeline.jetstream import WriteConfig, write_rows
 from ferry.publish import BatchPublisher, Publisher
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
-from tests.helpers import ferry, make_stream, read_stream
+from tests.helpers import as_nats_user, ferry, make_stream, read_stream
 
 pytestmark = pytest.mark.lab
 
@@ -196,8 +196,7 @@ async def test_a_publish_the_server_refuses_fails_at_its_first_ack_timeout(
     permission violation, so without it the publishers would wait out give_up_after (60 s here)."""
     topo = profile_topology(supercluster)
     await make_stream(topo, "east", "DENIED", ["denied.>"], placement="east", allow_batched=True)
-    limited = tmp_path / "limited.yaml"
-    limited.write_text((supercluster.path / "topology.yaml").read_text().replace("user: app", "user: limited"))
+    limited = as_nats_user(supercluster, "limited", tmp_path)
     async with wire(load_topology(limited).nats("east"), "east") as w:
         t0 = time.monotonic()
         with pytest.raises(AuthError, match=r"refused ferry's user to publish to denied\.b \(permissions violation"):
