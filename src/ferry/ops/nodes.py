@@ -28,26 +28,15 @@ evacuation resumes at the right step (even once Q has left the node):
 
 1. declare ``ferry.relocate.Q`` on the target node (like Q), bind it as Q is bound, then
    unbind Q: messages routed through exchanges now land in the holding queue;
-2. move Q's messages to it, *seal* Q (see ``RabbitNodes._seal``: it refuses new messages,
-   a nack to a publisher with confirms), move what came meanwhile, and delete Q once
-   empty (its consumers get a cancel); then lift the seal;
+2. move Q's messages to it, and delete Q once empty (its consumers get a cancel);
 3. declare Q on the target node, bind it, unbind the holding queue, move the held
    messages back and delete the holding queue.
 
-The seal is what makes step 2 end for a Q that publishers publish to straight (default
-exchange): without it such a queue is never empty long enough to delete. It also narrows
-what such publishers can lose: RabbitMQ confirms a message that reaches Q while Q is
-being deleted, though it is gone with Q; sealed, only the messages in flight during the
-deletion itself are (about one per publisher), not all those since the last move.
-
 Limits: between the two steps Q does not exist for a moment, so a message published
 straight to Q (default exchange) in that moment is unroutable (returned to a publisher
-that sets ``mandatory``, dropped otherwise), and one published while Q is sealed is
-refused (a nack; dropped without confirms); one routed while both queues are bound is
+that sets ``mandatory``, dropped otherwise); one routed while both queues are bound is
 delivered to both (at least once, never lost). Consumers of Q must re-subscribe after
-the cancel (most clients do on a consumer-cancel notification). A queue declared with
-an ``x-overflow`` argument other than ``reject-publish`` cannot be sealed (the argument
-wins over any policy): it is relocated without.
+the cancel (most clients do on a consumer-cancel notification).
 """
 
 from __future__ import annotations
@@ -57,11 +46,9 @@ import base64
 import contextlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +59,7 @@ import httpx
 from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
-from ferry.brokers.rabbitmq import Management, amqp_connect, effective_policy, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.ops.journal import Journal, ParamJournal
 from ferry.ops.move import api as js_api
@@ -80,9 +67,6 @@ from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import NatsCluster, RabbitCluster
 
 RELOCATE_PREFIX = "ferry.relocate."  # the holding queue of a classic queue being relocated
-SEAL_PREFIX = "ferry-seal."  # the policy that seals a classic queue before its relocation deletes it
-REJECTING = ("reject-publish", "reject-publish-dlx")  # overflow settings that refuse rather than drop
-SEAL_WAIT = 60.0  # seconds for a queue to report the first step of its seal (a few statistics intervals)
 CONTROL = "ferry-ctl"  # connection-name prefix of ferry's own control connections: never evicted
 STALE_AFTER = 5.0  # seconds without a heartbeat before another ferry adopts an operation
 
@@ -535,11 +519,10 @@ class RabbitNodes(_Nodes):
             if hold is None:
                 hold = await self._declare(vhost, held, here, target)
             await self._rebind(vhost, name, held)
-            moved += await self._drain_into(vhost, name, held, target, rate, seal=True)
+            moved += await self._drain_into(vhost, name, held, target, rate)
         elif hold is None:
             return 0  # relocated already
         if await m.get(path(name), ok404=True) is None:
-            await self.unseal(vhost, name)  # a ferry killed after deleting Q left it: it would seal the new Q
             await self._declare(vhost, name, hold, target)
         await self._rebind(vhost, held, name)
         moved += await self._drain_into(vhost, held, name, target, rate)
@@ -574,12 +557,9 @@ class RabbitNodes(_Nodes):
         for b in bindings:
             await self.m.delete(f"/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(old)}/{q(b['properties_key'])}")
 
-    async def _drain_into(
-        self, vhost: str, source: str, dest: str, target: str, rate: float | None, seal: bool = False
-    ) -> int:
+    async def _drain_into(self, vhost: str, source: str, dest: str, target: str, rate: float | None) -> int:
         """Move `source`'s messages to `dest` with the data plane until `source` is empty, then
-        delete it (only if empty: a publisher may still add to it). With `seal`, `source` is
-        sealed after the first move (see ``_seal``) and the seal lifted once it is deleted."""
+        delete it (only if empty: a publisher may still add to it)."""
         from ferry.pipeline.copy import run_moves
         from ferry.pipeline.rabbitmq import MoveTask
 
@@ -588,8 +568,6 @@ class RabbitNodes(_Nodes):
         sink = {"kind": "rabbitmq", "cluster": cluster, "vhost": vhost, "queue": dest, "name": self.name}
         index = list(self.brokers).index(target)
         moved, counts = 0, QueueCounts(self.cluster, f"{CONTROL}-relocate")
-        policy = await self._seal(vhost, source) if seal else None  # its first step: no effect on publishers
-        sealed = False
         try:
             for _ in range(100):
                 try:
@@ -601,10 +579,6 @@ class RabbitNodes(_Nodes):
                     task.broker, task.rate = index, rate
                     spark = await self._spark()
                     moved += sum(r.moved for r in await asyncio.to_thread(run_moves, spark, [task]))
-                if policy and not sealed:  # refuse new messages, then move those that came meanwhile
-                    await self._seal(vhost, source, policy)
-                    sealed = True
-                    continue
                 try:
                     await self.m.request("DELETE", f"/queues/{q(vhost)}/{q(source)}", params={"if-empty": "true"})
                     return moved
@@ -615,57 +589,7 @@ class RabbitNodes(_Nodes):
                         raise
         finally:
             await counts.close()
-            if policy:
-                await self.unseal(vhost, source)
         raise FerryError(f"{vhost}/{source} keeps receiving messages; relocation to {target} did not finish")
-
-    async def _seal(self, vhost: str, queue: str, policy: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Seal `queue` before it is deleted: it refuses every new message (a nack to a publisher
-        with confirms), so it empties. RabbitMQ confirms a message that reaches a queue while it
-        is being deleted (`rabbit_channel`'s `handle_eol`: "Deleted queue is a special case"),
-        though the message is gone with it: sealed, that is only what arrives during the
-        deletion itself.
-
-        The seal is a policy on top of the queue's own, with the same definition plus
-        `overflow: reject-publish`, then also `max-length: 0`. Two steps, because a classic queue
-        applies max-length before overflow (`rabbit_amqqueue_process:process_args_policy`):
-        max-length 0 under the default drop-head would drop every ready message. The first step
-        (no `policy` given) returns the policy; the second waits until the queue reports the
-        first (its statistics come from the queue process, so the process applied it). None when
-        the queue cannot be sealed: an `x-overflow` argument other than reject-publish wins over
-        any policy."""
-        assert self.m
-        m, name = self.m, SEAL_PREFIX + queue
-        path = f"/queues/{q(vhost)}/{q(queue)}"
-        if policy is None:
-            info = await m.get(path)
-            if (info.get("arguments") or {}).get("x-overflow", "reject-publish") not in REJECTING:
-                return None
-            others = [p for p in await m.get(f"/policies/{q(vhost)}") if not p["name"].startswith(SEAL_PREFIX)]
-            own = effective_policy(others, vhost, queue)
-            policy = {
-                "pattern": f"^{re.escape(queue)}$",
-                "apply-to": "queues",
-                "priority": max((p.get("priority", 0) for p in others), default=0) + 1,
-                "definition": {**(own["definition"] if own else {}), "overflow": "reject-publish"},
-            }
-            await m.put(f"/policies/{q(vhost)}/{q(name)}", policy)
-            return policy
-        deadline = time.monotonic() + SEAL_WAIT
-        while (info := await m.get(path)).get("policy") != name or (
-            (info.get("effective_policy_definition") or {}).get("overflow") not in REJECTING
-        ):
-            if time.monotonic() > deadline:
-                raise FerryError(f"{vhost}/{queue} did not take ferry's policy {name} within {SEAL_WAIT:.0f}s")
-            await asyncio.sleep(0.5)
-        sealed = {**policy, "definition": {**policy["definition"], "max-length": 0}}
-        await m.put(f"/policies/{q(vhost)}/{q(name)}", sealed)
-        return policy
-
-    async def unseal(self, vhost: str, queue: str) -> None:
-        """Lift `queue`'s seal, if any."""
-        assert self.m
-        await self.m.delete(f"/policies/{q(vhost)}/{q(SEAL_PREFIX + queue)}")
 
     async def _spark(self) -> Any:
         if self.spark is None:

@@ -819,9 +819,6 @@ async def stop(topo: Topology, key_cluster: str, node: str | None) -> dict[str, 
         if not st:
             raise NotFound(f"no {'evacuation of ' + node if node else 'rebalance of ' + cname} is running")
         await journal.stop()
-        if isinstance(nodes, RabbitNodes) and not journal.owner_alive(st):
-            for vhost, name, _ in st.get("relocating", []):  # sealed by a ferry killed mid-way: it takes messages again
-                await nodes.unseal(vhost, name)
         if node and st.get("state") == "prohibiting":
             try:
                 await nodes.allow(node)
