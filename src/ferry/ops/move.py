@@ -453,6 +453,27 @@ def identity_of(m: WireMsg) -> str:
     return identity(m.subject, m.headers, m.data)
 
 
+def _deaf(violation: str) -> AuthError:
+    return AuthError(
+        f"the capture guard may not listen to the stream's subjects: the server says "
+        f"{violation!r} (ferry's user must be allowed to subscribe to them)"
+    )
+
+
+async def check_listen(cluster: NatsCluster, subjects: list[str]) -> None:
+    """Raise AuthError when ferry's user may not subscribe to `subjects`, where a capture guard
+    will listen: for an operation that changes things before its guard starts."""
+    conn = await Wire.open(cluster, client_name="ferry-guard")
+    try:
+        for s in subjects:
+            await conn.subscribe(s, lambda m: None)
+        await conn.flush(timeout=5)
+        if conn.denied:
+            raise _deaf(conn.denied[0])
+    finally:
+        await conn.close()
+
+
 class Guard:
     """Listens to a stream's subjects and appends what it hears to an Arrow IPC file.
 
@@ -491,10 +512,7 @@ class Guard:
                 await self._conn.subscribe(s, self._on_msg)
             await self._conn.flush(timeout=5)  # the server answers a subscription it refuses before this
             if self._conn.denied:  # a guard that hears nothing would prove nothing
-                raise AuthError(
-                    f"the capture guard may not listen to the stream's subjects: the server says "
-                    f"{self._conn.denied[0]!r} (ferry's user must be allowed to subscribe to them)"
-                )
+                raise _deaf(self._conn.denied[0])
             own = self._conn.server_cluster
             remote = [s["url"] for s in (servers or {}).values() if s["cluster"] != own]
             checks = [self._reached(self.cluster.urls)]

@@ -661,6 +661,7 @@ async def _repartition(
     op_id = uuid.uuid4().hex[:12]
     moves = p["moves"]
     targets = sorted({m["to"] for m in moves})
+    await mv.check_listen(cluster, [m["pattern"] for m in moves])  # its guard refused later would leave copies
     await claim(kv, pmap, seen, pending=True)
     emit("claimed", map=pmap.name, pending=True)
     # 1. the new owners get a staging subject (created if missing)
