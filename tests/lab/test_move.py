@@ -282,7 +282,7 @@ def test_what_ferrys_user_may_not_do_is_named_and_a_guard_it_may_not_run_refuses
     from ferry.pipeline.jetstream import Range, ReadConfig, read_range
 
     topo = profile_topology(supercluster)
-    asyncio.run(make_stream(topo, "east", "MOVE_L", ["limited.>"], placement="east"))
+    asyncio.run(make_stream(topo, "east", "MOVE_L", ["limited.move.>"], placement="east"))
     asyncio.run(make_stream(topo, "east", "LIMITED", ["readable.>"], placement="east"))
 
     # no reply can reach a user that may not subscribe to its inbox: said at the first request's timeout
@@ -300,7 +300,7 @@ def test_what_ferrys_user_may_not_do_is_named_and_a_guard_it_may_not_run_refuses
     # a guard that could hear nothing would prove nothing: the move is refused before anything changes
     r = ferry("move", "MOVE_L", "--to", "west", topology=limited, timeout=120)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "the capture guard may not listen" in r.stderr and 'Subscription to "limited.>"' in r.stderr, r.stderr
+    assert "the capture guard may not listen" in r.stderr and 'Subscription to "limited.move.>"' in r.stderr
     assert where(topology_of(supercluster), "MOVE_L")[0] == "east"
     r = ferry("move", "--status", "MOVE_L", topology=limited)
     assert r.returncode == 1 and "no move of 'MOVE_L' on record" in r.stderr, r.stderr

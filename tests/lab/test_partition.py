@@ -245,18 +245,18 @@ def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, 
 def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_staged(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:
-    """The lab user `limited` may not subscribe to `limited.>`: a repartition of those subjects
+    """The lab user `limited` may not subscribe to `limited.>`: a repartition of such subjects
     would have copied their history into the new owner, and only then found that its capture
     guard may not listen. It is refused first, with the server's words, and changes nothing."""
     topology = supercluster.path / "topology.yaml"
-    both = {"name": "lim", "stream": "PT_LIM", "cluster": "east", "patterns": ["limited.a.>", "limited.b.>"]}
+    both = {"name": "lim", "stream": "PT_LIM", "cluster": "east", "patterns": ["limited.pt.a.>", "limited.pt.b.>"]}
     v1 = write_map(tmp_path / "v1.yaml", "lim", [both])
     v2 = write_map(
         tmp_path / "v2.yaml",
         "lim",
         [
-            {**both, "patterns": ["limited.a.>"]},
-            {"name": "lim-b", "stream": "PT_LIM_B", "cluster": "east", "patterns": ["limited.b.>"]},
+            {**both, "patterns": ["limited.pt.a.>"]},
+            {"name": "lim-b", "stream": "PT_LIM_B", "cluster": "east", "patterns": ["limited.pt.b.>"]},
         ],
     )
     ferry("partition", "apply", str(v1), topology=topology, check=True)
@@ -265,19 +265,19 @@ def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
             js = nc.jetstream()
             for i in range(50):
-                await js.publish(f"limited.b.{i % 5}", b"x", timeout=5)
+                await js.publish(f"limited.pt.b.{i % 5}", b"x", timeout=5)
 
     asyncio.run(publish())
     limited = as_nats_user(supercluster, "limited", tmp_path)
     r = ferry("partition", "apply", str(v2), "--execute", topology=limited)
     assert r.returncode == 1, r.stderr[-3000:]
-    assert len(r.stderr.strip().splitlines()) == 1 and "may not listen" in r.stderr and "limited.b.>" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "may not listen" in r.stderr and "limited.pt.b.>" in r.stderr
 
     async def unchanged() -> None:
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
             streams = await pt.list_streams(nc)
             assert "PT_LIM_B" not in streams  # nothing staged
-            assert streams["PT_LIM"]["config"]["subjects"] == ["limited.a.>", "limited.b.>"]
+            assert streams["PT_LIM"]["config"]["subjects"] == ["limited.pt.a.>", "limited.pt.b.>"]
             assert sum((await per_subject(nc, "PT_LIM")).values()) == 50
             record = await pt.read_claims(nc)
             assert record["maps"]["lim"].get("pending") is None
