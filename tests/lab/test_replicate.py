@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,12 +220,19 @@ def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
         assert b.event("standby")["leader"]["pid"] == a.proc.pid
         producers = load(topology, "nyc", "fail.{n}", tmp_path / "ledger", 2000, 12)
         wait_for(lambda: stream_count(topo, "sfo", "FAIL") > 3000, 60, "relaying")
+
+        def checkpoints() -> list[Path]:
+            return list(Path(tempfile.gettempdir()).glob(f"ferry-relay-{a.proc.pid}-*"))
+
+        assert len(checkpoints()) == 1, "the active relay's Spark checkpoint"
         a.kill()  # SIGKILL: no marker; the standby must ask sfo where to resume
         killed = time.time()
         took_over = b.event("active", timeout=30)["t"] - killed
         assert took_over < 5.0, took_over
         resume = b.event("resume")
         assert resume["source"] == "destination" and resume["after"]["FAIL"] > 3000
+        b.event("relaying")
+        assert not checkpoints(), "the killed relay's checkpoint was left behind"
         summary = finished(producers)
         same_count(topo, "FAIL")
         got = judge(spark, topology, [tmp_path / "ledger"], "jetstream://sfo/FAIL", tmp_path / "audit.html")

@@ -40,7 +40,7 @@ async def bucket(nc: Client, replicas: int) -> Any:
         return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5, replicas=replicas))
 
 
-def _process_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot, from /proc), so a reused pid is told
     apart; None when it is gone or a zombie. Without /proc, "?" for any live pid."""
     try:
@@ -60,7 +60,7 @@ def _process_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-_STARTED = _process_start(os.getpid())
+_STARTED = process_start(os.getpid())
 
 
 def running_here(state: dict[str, Any]) -> bool:
@@ -69,7 +69,7 @@ def running_here(state: dict[str, Any]) -> bool:
     if o.get("host") != socket.gethostname():
         return False
     try:
-        started = _process_start(int(o["pid"]))
+        started = process_start(int(o["pid"]))
     except (KeyError, ValueError, TypeError):
         return False
     return started is not None and o.get("started", started) in (started, "?")

@@ -33,16 +33,18 @@ import asyncio
 import contextlib
 import fnmatch
 import json
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError, redact
-from ferry.ops.journal import Journal, owner_alive
+from ferry.ops.journal import Journal, owner_alive, process_start
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
@@ -62,6 +64,7 @@ SCAN = 20_000  # relayed messages read back from the destination's end when resu
 # what arrived since the last one, whatever the bound.
 MAX_BATCH = 500_000
 TRIGGER = "200 milliseconds"
+CHECKPOINT_PREFIX = "ferry-relay-"  # + pid: the relay's Spark checkpoint directory, in the temporary directory
 PROGRESS_STALE = 10.0  # seconds: older progress of a live relay shows no current rate in `status`
 
 
@@ -562,6 +565,16 @@ class _Lease:
                     self.lost.set()
 
 
+def _checkpoint() -> str:
+    """A new directory for the relay's Spark checkpoint (no relay restarts from it), named by
+    this process: one that a killed relay on this host left behind is removed first."""
+    for old in Path(tempfile.gettempdir()).glob(f"{CHECKPOINT_PREFIX}*-*"):
+        pid = old.name[len(CHECKPOINT_PREFIX) :].split("-")[0]
+        if pid.isdigit() and process_start(int(pid)) is None:
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{CHECKPOINT_PREFIX}{os.getpid()}-")
+
+
 class Relay:
     """One `ferry replicate run` process: stands by, takes the lease, resumes, relays."""
 
@@ -651,7 +664,7 @@ class Relay:
         j.state["progress"] = {s: {"relayed": n} for s, n in after.items()}
         j.state["progress_at"] = time.time()
         await lease.save(state="relaying", marker=None, resumed_after=after, replayed=replayed, since=time.time())
-        checkpoint = tempfile.mkdtemp(prefix="ferry-relay-")
+        checkpoint = _checkpoint()
         query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched, leaders)
         tracker, warm = _Progress(self.topo, rep, after), False
         try:
