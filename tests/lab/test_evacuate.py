@@ -462,6 +462,38 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
     assert a["sent"] > 0 and a["lost"] == 0, a
 
 
+async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says_so(
+    rabbit_cluster: lab.LabState, tmp_path: Path
+) -> None:
+    """Closing another user's connection takes RabbitMQ's administrator tag: an evacuation by a
+    user with only `monitoring` and `policymaker` ends at the first connection it may not close,
+    with RabbitMQ's reason (it used to try again forever)."""
+    state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
+    cluster = profile_topology(state).rabbitmq("rabbits")
+    first, user = cluster.brokers[0], "no-close"
+    async with Management(cluster, cluster.brokers[1]) as m:
+        await m.put(f"/users/{user}", {"password": cluster.credentials.password(), "tags": "monitoring,policymaker"})
+        await m.put(f"/permissions/%2F/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
+    as_user = tmp_path / "no-close.yaml"
+    as_user.write_text(topology.read_text().replace(f"user: {cluster.credentials.user}", f"user: {user}"))
+    app = await amqp_connect(cluster, first, name="an application")  # the lab's own user: not no-close's
+    try:
+        async with Management(cluster, cluster.brokers[1]) as m:  # listed after a statistics interval
+            async with asyncio.timeout(30):
+                while "an application" not in str(await m.get("/connections")):
+                    await asyncio.sleep(0.2)
+        args = ["node", "evacuate", first.name, "--wait-health-check", "0", "--wait-takeover", "0"]
+        r = await asyncio.to_thread(ferry, *args, topology=as_user, timeout=120)
+        said = r.stderr.strip().splitlines()[-1]  # after its progress lines
+        assert r.returncode == 1 and said.startswith("error: rabbits: management API refused DELETE /connections/")
+        assert said.endswith(f"to user '{user}': User not authorised to access object"), said
+    finally:
+        await app.close()
+        await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology)
+        async with Management(cluster, cluster.brokers[1]) as m:
+            await m.delete(f"/users/{user}")
+
+
 @pytest.mark.parametrize("kill_when", ["held", "redeclared", "stopped"])
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
     rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str
