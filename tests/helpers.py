@@ -20,7 +20,7 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.pipeline.jetstream import Range, ReadConfig, read_range, stream_states
 from ferry.pipeline.rabbitmq import snapshot_queue
 from ferry.publish import Publisher
-from ferry.topology import Topology
+from ferry.topology import Topology, load_topology
 
 FERRY = [sys.executable, "-m", "ferry.cli"]
 
@@ -201,4 +201,16 @@ def as_nats_user(state: Any, user: str, root: Path) -> Path:
     ``ferry.lab.nats.LIMITED_USERS``, which share the app password) instead of ``app``."""
     path = root / f"{user}.yaml"
     path.write_text((state.path / "topology.yaml").read_text().replace("user: app", f"user: {user}"))
+    return path
+
+
+async def as_rabbit_user(state: Any, cluster: str, user: str, tags: str, path: Path, configure: str = ".*") -> Path:
+    """A copy of lab `state`'s topology at `path` whose `cluster` credentials are `user`'s, made on
+    that cluster with the same password, `tags`, and every permission on vhost / but `configure`."""
+    topology = state.path / "topology.yaml"
+    c = load_topology(topology).rabbitmq(cluster)
+    async with Management(c) as m:
+        await m.put(f"/users/{user}", {"password": c.credentials.password(), "tags": tags})
+        await m.put(f"/permissions/%2F/{user}", {"configure": configure, "write": ".*", "read": ".*"})
+    path.write_text(topology.read_text().replace(f"user: {c.credentials.user}", f"user: {user}"))
     return path

@@ -34,7 +34,7 @@ from ferry.ops import move as mv
 from ferry.ops.journal import ParamJournal
 from ferry.ops.nodes import RELOCATE_PREFIX, Asset
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, ferry_killed_when, fill_stream, judge, make_stream, wait_for
+from tests.helpers import FERRY, as_rabbit_user, ferry, ferry_killed_when, fill_stream, judge, make_stream, wait_for
 from tests.lab.test_move import finish
 
 pytestmark = pytest.mark.lab
@@ -471,11 +471,7 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
     first, user = cluster.brokers[0], "no-close"
-    async with Management(cluster, cluster.brokers[1]) as m:
-        await m.put(f"/users/{user}", {"password": cluster.credentials.password(), "tags": "monitoring,policymaker"})
-        await m.put(f"/permissions/%2F/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
-    as_user = tmp_path / "no-close.yaml"
-    as_user.write_text(topology.read_text().replace(f"user: {cluster.credentials.user}", f"user: {user}"))
+    as_user = await as_rabbit_user(state, "rabbits", user, "monitoring,policymaker", tmp_path / "no-close.yaml")
     app = await amqp_connect(cluster, first, name="an application")  # the lab's own user: not no-close's
     try:
         async with Management(cluster, cluster.brokers[1]) as m:  # listed after a statistics interval

@@ -20,7 +20,7 @@ from ferry.lab.procs import group_members
 from ferry.ops import smoke
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
-from tests.helpers import ferry
+from tests.helpers import as_rabbit_user, ferry
 
 pytestmark = pytest.mark.lab
 
@@ -101,21 +101,9 @@ async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabSt
     assert result["published"] == result["read_back"] == 2000
 
 
-async def _as_new_user(state: lab.LabState, path: Path, user: str, tags: str, configure: str) -> Path:
-    """A topology whose ltm credentials are `user`'s, made on ltm with the same password, `tags`,
-    and every permission on vhost / but `configure`."""
-    ltm = profile_topology(state).rabbitmq("ltm")
-    async with Management(ltm) as m:
-        await m.put(f"/users/{user}", {"password": ltm.credentials.password(), "tags": tags})
-        await m.put(f"/permissions/%2F/{user}", {"configure": configure, "write": ".*", "read": ".*"})
-    text = (state.path / "topology.yaml").read_text()
-    path.write_text(text.replace(f"user: {ltm.credentials.user}", f"user: {user}"))
-    return path
-
-
 async def test_a_refused_amqp_permission_is_one_line(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     """aio-pika's ACCESS_REFUSED reaches the CLI as a broker's answer: one line, exit 1, no traceback."""
-    as_user = await _as_new_user(rabbit_dr, tmp_path / "topology.yaml", "no-configure", "", "^$")
+    as_user = await as_rabbit_user(rabbit_dr, "ltm", "no-configure", "", tmp_path / "topology.yaml", configure="^$")
     r = await asyncio.to_thread(ferry, "topology", "smoke", "--rabbitmq", "ltm", "--count", "10", topology=as_user)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: ACCESS_REFUSED - access to queue 'ferry.smoke."), r.stderr
@@ -126,7 +114,7 @@ async def test_a_management_refusal_names_the_request_and_what_the_user_lacks(
     rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
     """RabbitMQ answers 401 to a wrong password and to a tag the user lacks alike; its reason tells them apart."""
-    as_user = await _as_new_user(rabbit_dr, tmp_path / "topology.yaml", "no-admin", "management", ".*")
+    as_user = await as_rabbit_user(rabbit_dr, "ltm", "no-admin", "management", tmp_path / "topology.yaml")
     async with Management(load_topology(as_user).rabbitmq("ltm")) as m:
         assert (await m.get("/overview"))["rabbitmq_version"]  # a management user may read this
         with pytest.raises(AuthError) as refused:
