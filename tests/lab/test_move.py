@@ -371,6 +371,31 @@ def test_timeout_cancels_and_leaves_stream_healthy_where_it_was(
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 6, t
 
 
+def test_an_interrupt_before_the_placement_update_leaves_the_placement_alone(supercluster: lab.LabState) -> None:
+    """Ctrl-C during the preflight or the guard's start: the move ends cancelled without ever
+    asking for the new placement (there is then nothing for the server to cancel)."""
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_I", ["move_i.>"], placement="east"))
+    events: list[str] = []
+
+    async def interrupted() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        stop = asyncio.Event()
+        stop.set()
+        req = mv.MoveRequest(stream="MOVE_I", to="west")
+        result = await mv.move(topo.nats("east"), req, lambda ev, **_: events.append(ev), stop)
+        async with bnats.session(topo.nats("east")) as nc:
+            info = await mv.stream_info(nc, "MOVE_I")
+        later = await mv.move_many(topo.nats("east"), "MOVE_I*", req, stop=stop)
+        assert [r["outcome"] for r in later] == ["not started"], later  # --streams: the rest never begin
+        return result, info, await mv.status(topo.nats("east"), "MOVE_I")
+
+    result, info, journaled = asyncio.run(interrupted())
+    assert result["outcome"] == "cancelled" and result["verify"]["ok"], result
+    assert "placement" not in events and "cancelling" not in events, events
+    assert info["config"]["placement"] == {"cluster": "east"}, info["config"]
+    assert info["cluster"]["name"] == "east" and journaled["phase"] == "cancelled", journaled
+
+
 def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, tmp_path: Path, spark: Any) -> None:
     topology = topology_of(supercluster)
     topo = profile_topology(supercluster)

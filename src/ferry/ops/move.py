@@ -908,10 +908,14 @@ async def move(
         try:
             if not resuming:  # journaled once the guard listens: a guard refused leaves nothing behind
                 await journal.save(phase="starting")
+            placed = same_placement(info["config"].get("placement") or {}, st["placement"])
+            if st.get("phase") == "starting" and not placed and stop and stop.is_set():
+                # interrupted before the placement changed: nothing to cancel, the stream stays put
+                emit("cancelled", by="interrupt before the placement update")
+                journal.save_soon(phase="reconciling", outcome="cancelled")
             if st.get("phase") == "starting":
-                cfg = dict(info["config"])
-                placement_now = cfg.get("placement") or {}
-                if not same_placement(placement_now, st["placement"]):
+                if not placed:
+                    cfg = dict(info["config"])
                     cfg["placement"] = st["placement"]
                     await api(nc, f"$JS.API.STREAM.UPDATE.{req.stream}", cfg, timeout=10)
                     emit("placement", placement=st["placement"])
@@ -1131,6 +1135,8 @@ async def move_many(
 
     async def one(name: str) -> dict[str, Any]:
         async with gate:
+            if stop and stop.is_set():
+                return {"stream": name, "outcome": "not started", "error": "interrupted before its turn"}
             r = MoveRequest(**{**req.__dict__, "stream": name})
             try:
                 return await move(cluster, r, lambda ev, **d: emit(ev, **{"stream": name, **d}), stop)
