@@ -91,7 +91,7 @@ class Registry:
         age while its journal does not answer (the node being evacuated may be the one serve
         reads through): its live owners' heartbeats would look stale. An owner still running on
         this host is never adopted, however late its heartbeat (CI saw a CLI evacuation's save take
-        longer than STALE_AFTER under load)."""
+        longer than STALE_AFTER under load), nor one whose driver the broker refused."""
         now = time.monotonic()
         return [
             (cname, key, st)
@@ -101,6 +101,7 @@ class Registry:
             if not ((task := self.drivers.get(key)) and not task.done())
             and not owner_alive(st, rb.STALE_AFTER)
             and not running_here(st)
+            and not st.get("refused")  # the broker refused its driver's user: not to go on under serve's
         ]
 
     def _resume(self, cname: str, st: dict[str, Any]) -> Any:

@@ -1304,12 +1304,16 @@ def node_status_cmd(
         out.print(f"no evacuation of {node} on record: it is in service" if node else "no evacuation is running")
     for r in rows:
         _print_evacuation(r)
-        driver = r.get("driven_by")
-        out.print(
-            f"driven by: {driver['host']} pid {driver['pid']}"
-            if driver
-            else "driven by: nobody (ferry serve adopts it)"
-        )
+        out.print("driven by: " + _driver_line(r, f"ferry node stop {r['node']}"), highlight=False)
+
+
+def _driver_line(r: dict[str, Any], stop: str) -> str:
+    """Who drives a journaled evacuation or rebalance, for `ferry node status` / `cluster status`."""
+    if driver := r.get("driven_by"):
+        return f"{driver['host']} pid {driver['pid']}"
+    if r.get("refused"):
+        return f"nobody: the broker refused its driver ({r['refused']}); run it again as a user allowed to, or `{stop}`"
+    return "nobody (ferry serve adopts it)"
 
 
 @node_app.command("stop")
@@ -1424,16 +1428,12 @@ def cluster_status(
     if not rows:
         out.print(f"no rebalance of {cluster} is running" if cluster else "no rebalance is running")
     for r in rows:
-        ev, driver = r.get("evicted") or {}, r.get("driven_by")
+        ev = r.get("evicted") or {}
         out.print(
             f"rebalance of {r['cluster']}: state {r.get('state')}; donors {', '.join(r.get('donors') or []) or '-'}, "
             f"recipients {', '.join(r.get('recipients') or []) or '-'}; moved {ev.get('connections', 0):,} "
             f"connections, {ev.get('sessions', 0):,} leaders; "
-            + (
-                f"driven by {driver['host']} pid {driver['pid']}"
-                if driver
-                else "driven by nobody (ferry serve adopts it)"
-            ),
+            f"driven by {_driver_line(r, 'ferry cluster stop ' + r['cluster'])}",
             highlight=False,
         )
         counts = r.get("counts") or {}

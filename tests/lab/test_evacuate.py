@@ -467,7 +467,8 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
 ) -> None:
     """Closing another user's connection takes RabbitMQ's administrator tag: an evacuation by a
     user with only `monitoring` and `policymaker` ends at the first connection it may not close,
-    with RabbitMQ's reason (it used to try again forever)."""
+    with RabbitMQ's reason (it used to try again forever). It stays on record as refused, and
+    `ferry serve` (the lab's, with an administrator) does not adopt it and go on as its own user."""
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
     first, user = cluster.brokers[0], "no-close"
@@ -482,7 +483,19 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
         r = await asyncio.to_thread(ferry, *args, topology=as_user, timeout=120)
         said = r.stderr.strip().splitlines()[-1]  # after its progress lines
         assert r.returncode == 1 and said.startswith("error: rabbits: management API refused DELETE /connections/")
-        assert said.endswith(f"to user '{user}': User not authorised to access object"), said
+        assert f"to user '{user}': User not authorised to access object (the evacuation of {first.name} stays" in said
+        assert said.endswith(f"or `ferry node stop {first.name}`)"), said
+
+        def status() -> dict[str, Any]:
+            r = ferry("node", "status", first.name, "--json", topology=topology)
+            return next(iter(json.loads(r.stdout)), {}) if r.returncode == 0 else {}
+
+        until = time.monotonic() + 8  # serve adopts an orphan within STALE_AFTER (5 s) and a journal read
+        while time.monotonic() < until:
+            st = await asyncio.to_thread(status)
+            assert st.get("refused", "").endswith("User not authorised to access object"), st
+            assert st["driven_by"] is None, st  # not adopted by ferry serve
+            await asyncio.sleep(0.5)
     finally:
         await app.close()
         await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology)

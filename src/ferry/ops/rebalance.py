@@ -54,7 +54,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from ferry.errors import Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
+from ferry.errors import AuthError, Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import Journal, ParamJournal, owner_alive
 from ferry.ops.nodes import STALE_AFTER, Asset, NatsNodes, NodeView, RabbitNodes, open_nodes
@@ -221,7 +221,8 @@ async def _claim(nodes: Nodes, key: str, what: str, hint: str = "") -> tuple[Any
             f"{what} is already running (state {prior.get('state')}, pid {o.get('pid')} on {o.get('host')})"
             + (f"; {hint}" if hint else "")
         )
-    journal.state = prior or {}
+    journal.state = dict(prior or {})
+    journal.state.pop("refused", None)  # resumed by a user the broker may allow (see _Driver.run)
     return journal, prior
 
 
@@ -277,6 +278,19 @@ class _Driver:
             if not await self.journal.get(self.journal.key):
                 return None, {**_public(self.st), "outcome": "stopped"}
             raise
+        except AuthError as exc:
+            # the broker refused this driver's user: on record as refused, so that no `ferry serve`
+            # adopts it and goes on under a user of its own; run again by an allowed user, it resumes
+            with contextlib.suppress(FerryError):
+                await self.journal.save(release=True, refused=exc.message)
+            node, cname = self.st.get("node"), self.st.get("cluster")
+            what, stop = (
+                (f"evacuation of {node}", f"node stop {node}")
+                if node
+                else (f"rebalance of {cname}", f"cluster stop {cname}")
+            )
+            hint = f"the {what} stays on record, driven by nobody: run it again as a user allowed to, or `ferry {stop}`"
+            raise AuthError(exc.message, hint=hint) from None
         if self.stop.is_set():
             with contextlib.suppress(Conflict):
                 await self.journal.save(release=True)
