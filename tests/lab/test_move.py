@@ -7,10 +7,12 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -20,7 +22,7 @@ from ferry.brokers import nats as bnats
 from ferry.lab.procs import free_ports, port_open
 from ferry.ops import move as mv
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, as_nats_user, ferry, judge, make_stream
+from tests.helpers import FERRY, as_nats_user, ferry, judge, make_stream, wait_for
 
 pytestmark = pytest.mark.lab
 
@@ -394,6 +396,42 @@ def test_an_interrupt_before_the_placement_update_leaves_the_placement_alone(sup
     assert "placement" not in events and "cancelling" not in events, events
     assert info["config"]["placement"] == {"cluster": "east"}, info["config"]
     assert info["cluster"]["name"] == "east" and journaled["phase"] == "cancelled", journaled
+
+
+def test_a_cancel_that_comes_once_the_group_is_the_destinations_ends_moved(supercluster: lab.LabState) -> None:
+    """The timeout passes once the stream's group holds only destination peers, one of them down
+    (so the move is not done in ferry's eyes: a peer not current): the server answers the cancel
+    "stream move not in progress" (10129). ferry keeps watching and reports the move done once
+    that peer is back; it used to wait 120 s for the stream in its origin, then fail."""
+    topology, topo = topology_of(supercluster), profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_LATE", ["move_late.>"], placement="east"))
+    fill_big(topo, "MOVE_LATE", n=2000)
+    west = topo.nats("west").brokers
+    meta = httpx.get(west[0].monitor_url + "/jsz", timeout=10).json()["meta_cluster"]["leader"]
+    victim = supercluster.proc(next(b.name for b in west if b.name != meta))  # the meta leader stays up
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = [*FERRY, "move", "MOVE_LATE", "--to", "west", "--timeout", "12", "--json"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        wait_for(lambda: any(p.startswith("west-") for p in where(topology, "MOVE_LATE")[1]), 30, "a west peer")
+        victim.signal(signal.SIGKILL)
+        wait_for(lambda: all(p.startswith("west-") for p in where(topology, "MOVE_LATE")[1]), 30, "west peers only")
+        wait_for(lambda: any('"event": "cancel"' in line for line in said), 30, "the cancel called too late")
+    finally:
+        if not victim.alive():
+            victim.start()
+            supercluster.save()
+    out, _ = proc.communicate(timeout=90)
+    reader.join(timeout=10)
+    events = [json.loads(line) for line in said if line.startswith("{")]
+    assert proc.returncode == 0 and json.loads(out)["outcome"] == "moved", (out, said[-5:])
+    assert any(e["event"] == "cancelling" and e["reason"] == "timeout" for e in events), events
+    assert any("not in progress" in e.get("note", "") for e in events if e["event"] == "cancel"), events
+    assert where(topology, "MOVE_LATE")[0] == "west"
+    wait_jetstream(topo)
 
 
 def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, tmp_path: Path, spark: Any) -> None:

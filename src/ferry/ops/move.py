@@ -906,13 +906,14 @@ async def move(
             )
         result: dict[str, Any] = {"stream": req.stream, "move_id": st["move_id"], "from": st["from"], "to": st["to"]}
         try:
-            if not resuming:  # journaled once the guard listens: a guard refused leaves nothing behind
-                await journal.save(phase="starting")
+            # journaled once the guard listens (a guard refused leaves nothing behind); a resume claims
+            # the journal here, before it acts (compare-and-set: of two reruns at once, one stops)
+            await journal.save(**({} if resuming else {"phase": "starting"}))
             placed = same_placement(info["config"].get("placement") or {}, st["placement"])
             if st.get("phase") == "starting" and not placed and stop and stop.is_set():
                 # interrupted before the placement changed: nothing to cancel, the stream stays put
                 emit("cancelled", by="interrupt before the placement update")
-                journal.save_soon(phase="reconciling", outcome="cancelled")
+                await journal.save(phase="reconciling", outcome="cancelled")
             if st.get("phase") == "starting":
                 if not placed:
                     cfg = dict(info["config"])
@@ -966,6 +967,7 @@ async def _watch(
     last_poll = time.monotonic()
     last_emit = last_beat = 0.0
     cancelled_at: float | None = None
+    cancel_again_at = not_moving_since = 0.0  # after a cancel the server called premature or late
     handoff: dict[str, Any] | None = None
     ready_since: tuple[str, float] | None = None  # (peer, when it was first found ready to lead)
     while True:
@@ -1023,16 +1025,27 @@ async def _watch(
                     peers=peers(info),
                     last_seq=info["state"]["last_seq"],
                 )
-        if cancelled_at is None and (now > deadline or (stop and stop.is_set())):
-            why = "timeout" if now > deadline else "interrupted"
-            emit("cancelling", reason=why)
+        if cancelled_at is None and (now > deadline or (stop and stop.is_set())) and now >= cancel_again_at:
+            if not cancel_again_at:
+                emit("cancelling", reason="timeout" if now > deadline else "interrupted")
             try:
                 await _cancel_request(sysnc, st["account"], req.stream)
+                cancelled_at = now
             except FerryError as exc:
-                if getattr(exc, "fields", {}).get("err_code") != 10129:  # nothing to cancel: already done
+                if getattr(exc, "fields", {}).get("err_code") != 10129:
                     raise
-                emit("cancel", note=f"too late to cancel: {exc}")
-            cancelled_at = now
+                # "not in progress": the group holds only the destination's peers already (the next
+                # poll finds the stream moved) or not yet theirs; ask again unless it lands first
+                if not cancel_again_at:
+                    emit("cancel", note=f"too late to cancel, or too early: {exc}")
+                    not_moving_since = now
+                elif now - not_moving_since > 120:
+                    now_on = ", ".join(p["name"] + ("" if p["current"] else " (behind)") for p in peers(info or {}))
+                    raise FerryError(
+                        f"stream {req.stream!r}: no move in progress, says the server, yet the stream is not healthy "
+                        f"in {st['to']} after 120s (peers: {now_on or 'unknown'})"
+                    ) from None
+                cancel_again_at = now + 0.5
         if cancelled_at is not None and now - cancelled_at > 120:
             raise FerryError(f"stream {req.stream!r} not healthy in {st['from']} 120s after the cancel")
         if now - last_beat >= 1.0:
