@@ -1312,7 +1312,10 @@ def _driver_line(r: dict[str, Any], stop: str) -> str:
     if driver := r.get("driven_by"):
         return f"{driver['host']} pid {driver['pid']}"
     if r.get("refused"):
-        return f"nobody: the broker refused its driver ({r['refused']}); run it again as a user allowed to, or `{stop}`"
+        return (
+            f"nobody: the broker refused its driver ({r['refused']}); "
+            f"run it again as a user with that permission, or `{stop}`"
+        )
     return "nobody (ferry serve adopts it)"
 
 

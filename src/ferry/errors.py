@@ -68,6 +68,10 @@ class AuthError(FerryError):
     """A broker refused the credentials, or what they asked for (a permission)."""
 
 
+class Forbidden(AuthError):
+    """A broker took the credentials but refused what they asked for: a permission the user lacks."""
+
+
 class Conflict(FerryError):
     """Another operation or owner holds what was asked for."""
 

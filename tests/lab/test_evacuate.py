@@ -496,6 +496,13 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
             assert st.get("refused", "").endswith("User not authorised to access object"), st
             assert st["driven_by"] is None, st  # not adopted by ferry serve
             await asyncio.sleep(0.5)
+        check = await asyncio.to_thread(api, state, "GET", f"/availability_check?node={first.name}")
+        assert check.status_code == 503 and "refused: driven by nobody" in check.json()["reason"], check.text
+        # a dry run reports it and resumes nothing: still refused, still undriven
+        r = await asyncio.to_thread(ferry, *args, "--dry-run", "--json", topology=topology, check=True)
+        assert json.loads(r.stdout)["outcome"] == "on record, not resumed (dry run)", r.stdout
+        st = await asyncio.to_thread(status)
+        assert st.get("refused") and st["driven_by"] is None, st
     finally:
         await app.close()
         await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology)

@@ -86,6 +86,11 @@ def test_availability_from_journal_states() -> None:
     assert "donor" in unavailable(states, "east", "east-2")
     assert unavailable(states, "east", "east-3") == ""
     assert unavailable(states, "west", "east-1") == ""
+    # refused by the broker, driven by nobody: the evacuated node stays out, a rebalance's donors come back
+    for state in states.values():
+        state["refused"] = "management API refused DELETE /connections/x to user 'u': not authorised"
+    assert unavailable(states, "east", "east-1") == "being evacuated (evicting_conns, refused: driven by nobody)"
+    assert unavailable(states, "east", "east-2") == ""
 
 
 def test_haproxy_config_checks_node_and_ferry() -> None:

@@ -30,7 +30,7 @@ from nats.errors import AuthorizationError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
-from ferry.errors import AuthError, BrokerUnavailable, ConfigError
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, Forbidden
 from ferry.topology import NatsCluster
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
@@ -115,9 +115,9 @@ def refused(nc: Any, subject: str) -> AuthError | None:
     nats-py client from :func:`connect`, or the data plane's ``Wire`` (its ``denied``)."""
     said = " ".join(getattr(nc, "denied", None) or _DENIED.get(nc, ())).lower()
     if f'publish to "{subject.lower()}"' in said:
-        return AuthError(f"the server refused ferry's user to publish to {subject} (permissions violation)")
+        return Forbidden(f"the server refused ferry's user to publish to {subject} (permissions violation)")
     if 'subscription to "_inbox.' in said:
-        return AuthError(
+        return Forbidden(
             f"no answer to {subject}: the server refused ferry's user to subscribe to its inbox, where "
             "replies come (permissions violation; allow it to subscribe to _INBOX.>)"
         )

@@ -25,7 +25,7 @@ import httpx
 from pamqp import constants as _pamqp_constants
 
 from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
-from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound, redact
+from ferry.errors import AuthError, BrokerUnavailable, FerryError, Forbidden, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
@@ -83,7 +83,7 @@ class Management:
                 why = r.json().get("reason") or ""
             if not why or why.lower().startswith("login failed"):
                 raise AuthError(f"{self.name}: management API refused the credentials of user {self.user!r}")
-            raise AuthError(f"{self.name}: management API refused {method} {path} to user {self.user!r}: {why}")
+            raise Forbidden(f"{self.name}: management API refused {method} {path} to user {self.user!r}: {why}")
         if r.status_code == 404:
             if ok404:
                 return None

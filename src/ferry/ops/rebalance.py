@@ -54,7 +54,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from ferry.errors import AuthError, Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
+from ferry.errors import Conflict, FerryError, Forbidden, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.ops import Emit, no_emit
 from ferry.ops.journal import Journal, ParamJournal, owner_alive
 from ferry.ops.nodes import STALE_AFTER, Asset, NatsNodes, NodeView, RabbitNodes, open_nodes
@@ -237,9 +237,9 @@ def rebalance_key(cluster: str) -> str:
 def unavailable(states: dict[str, dict[str, Any]], cluster: str, node: str) -> str:
     """Why the load balancer should not send `node` new clients ('' if it may)."""
     if st := states.get(evacuation_key(cluster, node)):
-        return f"being evacuated ({st.get('state')})"
+        return f"being evacuated ({st.get('state')}" + (", refused: driven by nobody)" if st.get("refused") else ")")
     st = states.get(rebalance_key(cluster))
-    if st and node in st.get("donors", []):
+    if st and node in st.get("donors", []) and not st.get("refused"):  # a refused one moves nobody: donors serve
         return f"donor in a rebalance ({st.get('state')})"
     return ""
 
@@ -278,19 +278,22 @@ class _Driver:
             if not await self.journal.get(self.journal.key):
                 return None, {**_public(self.st), "outcome": "stopped"}
             raise
-        except AuthError as exc:
-            # the broker refused this driver's user: on record as refused, so that no `ferry serve`
-            # adopts it and goes on under a user of its own; run again by an allowed user, it resumes
-            with contextlib.suppress(FerryError):
+        except Forbidden as exc:
+            # the broker refused a permission to this driver's user: on record as refused, so that no
+            # `ferry serve` adopts it and goes on as a user of its own; run again, it resumes
+            try:
                 await self.journal.save(release=True, refused=exc.message)
+            except Exception:
+                raise exc from None  # not on record as refused: adopted as any other whose ferry died
             node, cname = self.st.get("node"), self.st.get("cluster")
             what, stop = (
                 (f"evacuation of {node}", f"node stop {node}")
                 if node
                 else (f"rebalance of {cname}", f"cluster stop {cname}")
             )
-            hint = f"the {what} stays on record, driven by nobody: run it again as a user allowed to, or `ferry {stop}`"
-            raise AuthError(exc.message, hint=hint) from None
+            hint = f"the {what} stays on record, driven by nobody: run it again as a user with that permission"
+            hint += f", or `ferry {stop}`"
+            raise Forbidden(exc.message, hint=hint) from None
         if self.stop.is_set():
             with contextlib.suppress(Conflict):
                 await self.journal.save(release=True)
@@ -392,6 +395,9 @@ async def evacuate(
         journal, prior = await _claim(
             nodes, evacuation_key(cname, req.node), f"an evacuation of {req.node}", f"`ferry node status {req.node}`"
         )
+        if prior and (req.dry_run or (resume_only and prior.get("refused"))):
+            why = "on record, not resumed (dry run)" if req.dry_run else "refused: not adopted"
+            return {**_public(prior), "outcome": why}
         if prior:
             emit("resume", state=prior["state"], rates=prior["rates"])
         elif resume_only:
@@ -497,6 +503,9 @@ async def _evacuation_steps(d: _Driver, hold: bool) -> None:
                     st["evicted"]["connections"] += n
                     st["evicted"]["sessions"] += moved
                     d.emit("evicted", connections=n, sessions=moved, prohibiting=True)
+            if not hold:  # resumed by the CLI: it returns once prohibiting, as when it got there itself
+                await d.journal.save(release=True)
+                break
             await d.save()
             await asyncio.sleep(TICK * 5)
 
@@ -625,6 +634,9 @@ async def rebalance(
     async with open_nodes(req.cluster, cluster, avoid=[]) as nodes:
         nodes.check(names, "--nodes")
         journal, prior = await _claim(nodes, rebalance_key(req.cluster), f"a rebalance of {req.cluster}")
+        if prior and (not req.execute or (resume_only and prior.get("refused"))):
+            why = "on record, not resumed (add --execute)" if not req.execute else "refused: not adopted"
+            return {**_public(prior), "outcome": why}
         if prior:
             emit("resume", state=prior["state"])
         elif resume_only:
