@@ -503,6 +503,17 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
         assert json.loads(r.stdout)["outcome"] == "on record, not resumed (dry run)", r.stdout
         st = await asyncio.to_thread(status)
         assert st.get("refused") and st["driven_by"] is None, st
+        # run again by a user with the permission (the lab's administrator), it resumes; one refused
+        # once it was prohibiting returns when the node is in maintenance, as a first run does
+        async with Management(cluster, cluster.brokers[1]) as m:
+            journal = ParamJournal(m, f"evacuation.rabbits.{first.name}")
+            journal.state = {**(await journal.open() or {}), "state": "prohibiting"}
+            await journal.save(release=True)
+        r = await asyncio.to_thread(ferry, *args, "--json", topology=topology, timeout=90)
+        assert r.returncode == 0, r.stderr[-2000:]
+        report = json.loads(r.stdout)
+        assert report["outcome"] == "evacuated" and report["state"] == "prohibiting", report
+        assert "refused" not in report and report["now"]["connections"] == 0, report  # maintenance closed the app's
     finally:
         await app.close()
         await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology)
