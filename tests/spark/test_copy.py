@@ -625,6 +625,28 @@ def test_create_with_subjects_taken_is_one_line_and_creates_nothing(
     assert not asyncio.run(exists())
 
 
+def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_nothing(
+    supercluster: lab.LabState, source_stream: str
+) -> None:
+    """CSRC's subjects are CSRC's own: written as they are to a stream that takes others, the
+    server refuses every message (expected stream does not match), and the error names the way out."""
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "west", "COTHER", ["cother.>"], placement="west"))
+    result = ferry(
+        "copy", "jetstream://east/CSRC", "jetstream://west/COTHER", topology=supercluster.path / "topology.yaml"
+    )
+    said = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "is not one of COTHER's subjects: --subject-prefix maps them" in said, said
+
+    async def counts() -> tuple[int, int]:
+        async with bnats.session(topo.nats("east")) as nc:
+            return (await nc.jsm().stream_info("COTHER")).state.messages, (
+                await nc.jsm().stream_info("CSRC")
+            ).state.messages
+
+    assert asyncio.run(counts()) == (0, N)
+
+
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     topology = rabbit_dr.path / "topology.yaml"
     result = ferry("copy", "rabbitmq://ltm/%2F/no-such-queue", "rabbitmq://pc1/%2F/q0", topology=topology)
