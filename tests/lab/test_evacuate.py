@@ -657,6 +657,58 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     assert not missing and len(sent) > 3000, f"{len(missing)} of {len(sent)} lost, e.g. {sorted(missing)[:5]}"
 
 
+async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget(supercluster: lab.LabState) -> None:
+    """Eight R3 streams led by east-1, and something that hands every one of them back to east-1
+    as soon as it leads elsewhere: a rebalance chasing those counts would never end. It stops
+    after twice the leader moves its proposal plans plus one per node, says so, and returns the
+    donors to service."""
+    topology, topo = supercluster.path / "topology.yaml", profile_topology(supercluster)
+    names = [f"RB_BUDGET_{i}" for i in range(8)]
+    for name in names:
+        await make_stream(topo, "east", name, [name.lower() + ".>"], placement="east")
+
+    async def leaders() -> dict[str, str]:
+        return {n: (await mv.stream_info(nc, n))["cluster"].get("leader", "") for n in names}
+
+    async def back_to_east1() -> None:  # the churn: leaders go back where they were
+        while True:
+            for name, leader in (await leaders()).items():
+                if leader != "east-1":
+                    with contextlib.suppress(Exception):
+                        await mv.api(
+                            nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{name}", {"placement": {"preferred": "east-1"}}
+                        )
+            await asyncio.sleep(0.2)
+
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "100000", "--abs-sess-threshold", "1"]
+    args += ["--sess-evict-rate", "2", "--wait-health-check", "0", "--wait-takeover", "0", "--execute", "--json"]
+    async with bnats.session(topo.nats("east")) as nc:
+        churn = asyncio.create_task(back_to_east1())
+        try:
+            async with asyncio.timeout(30):
+                while set((await leaders()).values()) != {"east-1"}:
+                    await asyncio.sleep(0.2)
+            r = await asyncio.to_thread(ferry, *args, topology=topology, timeout=120)
+        finally:
+            churn.cancel()
+            await asyncio.gather(churn, return_exceptions=True)
+            for name in names:
+                with contextlib.suppress(Exception):
+                    await nc.jsm().delete_stream(name)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    planned = sum(max(0, row["sessions"] - row["sessions_after"]) for row in result["proposal"])
+    budget = 2 * planned + len(result["proposal"])
+    moved = result["evicted"]["sessions"]
+    assert planned > 0 and budget <= moved <= budget + 2, result  # the last tick may move its allowance
+    assert (
+        result["outcome"]
+        == f"stopped after {moved} leader moves (at most {budget} for its plan): the counts keep changing"
+    )
+    said = ferry("cluster", "status", "east", topology=topology, check=True).stdout
+    assert said.strip() == "no rebalance of east is running"  # the donors serve again
+
+
 async def test_rebalance_aborts_on_every_node_when_a_participant_fails(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:
