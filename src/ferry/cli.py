@@ -1304,18 +1304,17 @@ def node_status_cmd(
         out.print(f"no evacuation of {node} on record: it is in service" if node else "no evacuation is running")
     for r in rows:
         _print_evacuation(r)
-        out.print("driven by: " + _driver_line(r, f"ferry node stop {r['node']}"), highlight=False)
+        out.print("driven by: " + _driver_line(r), highlight=False)
 
 
-def _driver_line(r: dict[str, Any], stop: str) -> str:
+def _driver_line(r: dict[str, Any]) -> str:
     """Who drives a journaled evacuation or rebalance, for `ferry node status` / `cluster status`."""
+    from ferry.ops.rebalance import way_on
+
     if driver := r.get("driven_by"):
         return f"{driver['host']} pid {driver['pid']}"
     if r.get("refused"):
-        return (
-            f"nobody: the broker refused its driver ({r['refused']}); "
-            f"run it again as a user with that permission, or `{stop}`"
-        )
+        return f"nobody: the broker refused its driver ({r['refused']}); {way_on(r)}"
     return "nobody (ferry serve adopts it)"
 
 
@@ -1436,7 +1435,7 @@ def cluster_status(
             f"rebalance of {r['cluster']}: state {r.get('state')}; donors {', '.join(r.get('donors') or []) or '-'}, "
             f"recipients {', '.join(r.get('recipients') or []) or '-'}; moved {ev.get('connections', 0):,} "
             f"connections, {ev.get('sessions', 0):,} leaders; "
-            f"driven by {_driver_line(r, 'ferry cluster stop ' + r['cluster'])}",
+            f"driven by {_driver_line(r)}",
             highlight=False,
         )
         counts = r.get("counts") or {}

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -407,7 +406,7 @@ def test_a_cancel_that_comes_once_the_group_is_the_destinations_ends_moved(super
     asyncio.run(make_stream(topo, "east", "MOVE_LATE", ["move_late.>"], placement="east"))
     fill_big(topo, "MOVE_LATE", n=2000)
     west = topo.nats("west").brokers
-    meta = httpx.get(west[0].monitor_url + "/jsz", timeout=10).json()["meta_cluster"]["leader"]
+    meta = asyncio.run(bnats.monitor_get(west[0].monitor_url, "jsz", timeout=10))["meta_cluster"]["leader"]
     victim = supercluster.proc(next(b.name for b in west if b.name != meta))  # the meta leader stays up
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     args = [*FERRY, "move", "MOVE_LATE", "--to", "west", "--timeout", "12", "--json"]

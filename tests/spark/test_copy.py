@@ -638,13 +638,11 @@ def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_noth
     said = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 1 and "is not one of COTHER's subjects: --subject-prefix maps them" in said, said
 
-    async def counts() -> tuple[int, int]:
+    async def counts() -> list[int]:
         async with bnats.session(topo.nats("east")) as nc:
-            return (await nc.jsm().stream_info("COTHER")).state.messages, (
-                await nc.jsm().stream_info("CSRC")
-            ).state.messages
+            return [(await nc.jsm().stream_info(name)).state.messages for name in ("COTHER", "CSRC")]
 
-    assert asyncio.run(counts()) == (0, N)
+    assert asyncio.run(counts()) == [0, N]
 
 
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:

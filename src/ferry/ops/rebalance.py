@@ -244,6 +244,12 @@ def unavailable(states: dict[str, dict[str, Any]], cluster: str, node: str) -> s
     return ""
 
 
+def way_on(st: dict[str, Any]) -> str:
+    """What to do about an operation on record whose driver the broker refused (see _Driver.run)."""
+    stop = f"ferry node stop {st['node']}" if st.get("node") else f"ferry cluster stop {st['cluster']}"
+    return f"run it again as a user with that permission, or `{stop}`"
+
+
 # -- the state machine shared by both operations ------------------------------------------------------
 
 
@@ -285,15 +291,10 @@ class _Driver:
                 await self.journal.save(release=True, refused=exc.message)
             except Exception:
                 raise exc from None  # not on record as refused: adopted as any other whose ferry died
-            node, cname = self.st.get("node"), self.st.get("cluster")
-            what, stop = (
-                (f"evacuation of {node}", f"node stop {node}")
-                if node
-                else (f"rebalance of {cname}", f"cluster stop {cname}")
-            )
-            hint = f"the {what} stays on record, driven by nobody: run it again as a user with that permission"
-            hint += f", or `ferry {stop}`"
-            raise Forbidden(exc.message, hint=hint) from None
+            what = f"evacuation of {self.st['node']}" if self.st.get("node") else f"rebalance of {self.st['cluster']}"
+            raise Forbidden(
+                exc.message, hint=f"the {what} stays on record, driven by nobody: {way_on(self.st)}"
+            ) from None
         if self.stop.is_set():
             with contextlib.suppress(Conflict):
                 await self.journal.save(release=True)
