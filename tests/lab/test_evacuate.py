@@ -179,12 +179,13 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
     crowded.release()
 
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    args = ["node", "evacuate", "east-1", "--wait-health-check", "4", "--conn-evict-rate", "30"]
+    args = ["node", "evacuate", "east-1", "--wait-health-check", "6", "--conn-evict-rate", "30"]
     args += ["--wait-takeover", "1", "--sess-evict-rate", "100", "--json"]
     proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     # during the health-check wait: unavailable to the balancer, yet the node still serves and accepts clients
-    wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-1").status_code == 503, 3, "503")
+    # (the CLI starts, journals the evacuation, and serve reads the journal twice a second: 3 s once fell short)
+    wait_for(lambda: api(supercluster, "GET", "/availability_check?node=east-1").status_code == 503, 6, "503")
     assert api(supercluster, "GET", "/availability_check/east-2").status_code == 200
 
     async def direct() -> str:
@@ -203,7 +204,7 @@ def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
     t = {e["state"]: e["t"] for e in evs if e["event"] == "state"}
     took = t["waiting_takeover"] - t["evicting_conns"]
     assert 8.0 <= took <= 12.0, f"300 connections at 30/s took {took:.1f}s"
-    assert t["evicting_conns"] - t["waiting_health_check"] >= 3.9
+    assert t["evicting_conns"] - t["waiting_health_check"] >= 5.9
     assert result["outcome"] == "evacuated" and result["state"] == "prohibiting"
     assert result["initial"]["connections"] >= CLIENTS and result["evicted"]["connections"] >= CLIENTS
     assert result["now"]["connections"] == 0 and result["now"]["sessions"] <= len(result.get("kept", [])), result
@@ -659,35 +660,45 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
 
 
 async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget(supercluster: lab.LabState) -> None:
-    """Eight R3 streams led by east-1, and something that hands every one of them back to east-1
-    as soon as it leads elsewhere: a rebalance chasing those counts would never end. It stops
-    after twice the leader moves its proposal plans plus one per node, says so, and returns the
-    donors to service."""
+    """Eight more R3 streams led by east-1, and something that hands every stream of east back to
+    the server that led it as soon as another leads it: a rebalance chasing those counts would
+    never end. It stops after twice the leader moves its proposal plans plus one per node, says
+    so, and returns the donors to service."""
     topology, topo = supercluster.path / "topology.yaml", profile_topology(supercluster)
     names = [f"RB_BUDGET_{i}" for i in range(8)]
     for name in names:
         await make_stream(topo, "east", name, [name.lower() + ".>"], placement="east")
+    home = dict.fromkeys(names, "east-1")  # and every other stream of east where it is led (other tests' are)
 
     async def leaders() -> dict[str, str]:
-        return {n: (await mv.stream_info(nc, n))["cluster"].get("leader", "") for n in names}
+        infos = await nc.jsm().streams_info()
+        return {i.config.name: i.cluster.leader or "" for i in infos if i.cluster and i.cluster.name == "east"}
 
-    async def back_to_east1() -> None:  # the churn: leaders go back where they were
+    async def back(name: str) -> None:
+        with contextlib.suppress(Exception):  # a peer not yet current cannot lead: the next round asks again
+            await mv.api(nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{name}", {"placement": {"preferred": home[name]}}, 1)
+
+    async def on_elected(msg: nats.aio.msg.Msg) -> None:  # the churn: a leader elected elsewhere goes back at once
+        name = msg.subject.rsplit(".", 1)[1]
+        if name in home and json.loads(msg.data).get("leader") != home[name]:
+            await back(name)
+
+    async def churn_on() -> None:  # and what an advisory did not bring back, all at once
         while True:
-            for name, leader in (await leaders()).items():
-                if leader != "east-1":
-                    with contextlib.suppress(Exception):
-                        await mv.api(
-                            nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{name}", {"placement": {"preferred": "east-1"}}
-                        )
-            await asyncio.sleep(0.2)
+            with contextlib.suppress(Exception):  # none answers for a moment while a leader is elected
+                now = await leaders()
+                await asyncio.gather(*(back(n) for n, at in now.items() if n in home and at not in (home[n], "")))
+            await asyncio.sleep(0.1)
 
     args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "100000", "--abs-sess-threshold", "1"]
-    args += ["--sess-evict-rate", "2", "--wait-health-check", "0", "--wait-takeover", "0", "--execute", "--json"]
+    args += ["--sess-evict-rate", "1", "--wait-health-check", "0", "--wait-takeover", "0", "--execute", "--json"]
     async with bnats.session(topo.nats("east")) as nc:
-        churn = asyncio.create_task(back_to_east1())
+        home |= {n: at for n, at in (await leaders()).items() if n not in home and at}
+        await nc.subscribe("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.*", cb=on_elected)
+        churn = asyncio.create_task(churn_on())
         try:
             async with asyncio.timeout(30):
-                while set((await leaders()).values()) != {"east-1"}:
+                while not all(at == "east-1" for n, at in (await leaders()).items() if n in names):
                     await asyncio.sleep(0.2)
             r = await asyncio.to_thread(ferry, *args, topology=topology, timeout=120)
         finally:
@@ -700,7 +711,7 @@ async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget
     result = json.loads(r.stdout)
     budget, moved = leader_move_budget(result["proposal"]), result["evicted"]["sessions"]
     assert budget > len(result["proposal"]), result  # the proposal planned some moves
-    assert budget <= moved <= budget + 2, result  # the last tick may move its whole allowance
+    assert budget <= moved <= budget + 2, result["outcome"]  # the last tick may move its whole allowance
     assert (
         result["outcome"]
         == f"stopped after {moved} leader moves (at most {budget} for its plan): the counts keep changing"
