@@ -284,3 +284,75 @@ def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_
             await forget(nc, ["lim"], ["PT_LIM", "PT_LIM_B"])
 
     asyncio.run(unchanged())
+
+
+def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_switch(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """ptr.x.* moves from PT_RA to PT_RB, and at once back: PT_RA's duplicate window still holds
+    the msg ids of the messages it held a moment ago, so it drops every copy. The second apply
+    finds that out before it switches owners, undoes its staging and says when to apply again:
+    PT_RB still owns ptr.x.* and holds every message (it used to switch, leaving the new owner
+    empty and the messages outside every stream's subjects)."""
+    topology = supercluster.path / "topology.yaml"
+    a = {"name": "a", "stream": "PT_RA", "cluster": "east", "replicas": 1}
+    b = {"name": "b", "stream": "PT_RB", "cluster": "west", "replicas": 1}
+    v1 = write_map(tmp_path / "v1.yaml", "rt", [{**a, "patterns": ["ptr.x.*"]}, {**b, "patterns": ["ptr.y.*"]}])
+    v2 = write_map(tmp_path / "v2.yaml", "rt", [{**a, "patterns": ["ptr.y.*"]}, {**b, "patterns": ["ptr.x.*"]}])
+    ferry("partition", "apply", str(v1), topology=topology, check=True)
+
+    async def publish() -> None:
+        async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
+            js = nc.jetstream()
+            for i in range(500):
+                await js.publish(f"ptr.x.{i % 5}", b"x", headers={"Nats-Msg-Id": f"rt-{i}"}, timeout=5)
+
+    asyncio.run(publish())
+    ferry("partition", "apply", str(v2), "--execute", topology=topology, check=True)
+    r = ferry("partition", "apply", str(v1), "--execute", topology=topology)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = r.stderr.strip().splitlines()[-1]  # after the progress lines
+    assert said.startswith("error: PT_RA dropped 500 of the copies of ptr.x.* as duplicates"), said
+    assert "Undone: PT_RB still owns ptr.x.*" in said and "apply again after" in said, said
+
+    async def as_before() -> None:
+        async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
+            streams = await pt.list_streams(nc)
+            assert streams["PT_RB"]["config"]["subjects"] == ["ptr.x.*"]
+            assert streams["PT_RA"]["config"]["subjects"] == ["ptr.y.*"]  # no staging subject left
+            assert sum((await per_subject(nc, "PT_RB")).values()) == 500
+            assert sum((await per_subject(nc, "PT_RA")).values()) == 0  # the copies it took are gone
+            entry = (await pt.read_claims(nc))["maps"]["rt"]
+            assert entry.get("pending") is None and entry["map"] == pt.load_map(v2).model_dump()
+            await forget(nc, ["rt"], ["PT_RA", "PT_RB"])
+
+    asyncio.run(as_before())
+
+
+def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab.LabState, tmp_path: Path) -> None:
+    """A partition placed in a cluster the super-cluster does not have: the server will not make
+    its stream, and the claim ferry recorded first is withdrawn, so no route names a stream that
+    does not exist and another map may claim the subjects."""
+    topology = supercluster.path / "topology.yaml"
+    north = write_map(
+        tmp_path / "north.yaml", "pn", [{"name": "n", "stream": "PT_NORTH", "cluster": "north", "patterns": ["ptn.>"]}]
+    )
+    r = ferry("partition", "apply", str(north), topology=topology)
+    assert r.returncode == 1, r.stderr[-3000:]
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith("error: map 'pn' not applied, its claim withdrawn") and "PT_NORTH" in said, said
+    r = ferry("partition", "route", "ptn.1", topology=topology)
+    assert r.returncode == 1 and "ptn.1" in r.stderr, (r.stdout, r.stderr)
+    east = write_map(
+        tmp_path / "east.yaml", "pe", [{"name": "e", "stream": "PT_EASTN", "cluster": "east", "patterns": ["ptn.>"]}]
+    )
+    ferry("partition", "apply", str(east), topology=topology, check=True)
+    said = ferry("partition", "route", "ptn.1", topology=topology, check=True).stdout
+    assert "stream PT_EASTN" in said
+
+    async def clean() -> None:
+        async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
+            assert "pn" not in (await pt.read_claims(nc))["maps"]
+            await forget(nc, ["pe"], ["PT_EASTN", "PT_NORTH"])
+
+    asyncio.run(clean())

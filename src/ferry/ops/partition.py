@@ -63,6 +63,7 @@ from ferry.errors import (
     BrokerUnavailable,
     ConfigError,
     Conflict,
+    FerryError,
     NotFound,
     OperationFailed,
     PreflightFailed,
@@ -377,6 +378,29 @@ async def claim(
     raise Conflict(f"could not record the claims of map {pmap.name!r}: the record kept changing")
 
 
+async def unclaim(
+    kv: Any, pmap: PartitionMap, claimed: dict[str, Any], seen: dict[str, Any] | None, attempts: int = 100
+) -> None:
+    """Put the claim of `pmap`'s map back as this run first read it (`seen`; none: no claim), by
+    CAS, unless another run changed it since this one `claimed` it."""
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    for _ in range(attempts):
+        record, revision = await _read(kv)
+        if _content(record["maps"].get(pmap.name)) != _content(claimed):
+            return
+        if seen is None:
+            record["maps"].pop(pmap.name, None)
+        else:
+            record["maps"][pmap.name] = seen
+        try:
+            await kv.update(KEY, json.dumps(record).encode(), last=revision)
+            return
+        except KeyWrongLastSequenceError:
+            await asyncio.sleep(0.005)
+    raise Conflict(f"could not withdraw the claims of map {pmap.name!r}: the record kept changing")
+
+
 # -- planning ----------------------------------------------------------------------------------------
 
 
@@ -592,7 +616,8 @@ async def apply(
             raise PreflightFailed(
                 f"a repartition of map {pmap.name!r} started by {by.get('host')} pid {by.get('pid')} at "
                 f"{by.get('at')} did not finish; the old owners still hold every message it moved (nothing is "
-                "purged before it is counted in the new owner): check the streams, then apply with --force"
+                "purged before it is counted in the new owner), and the new owners may hold copies of some (with "
+                "Ferry-Source headers): check the streams (`ferry partition plan`), then apply with --force"
             )
         emit("plan", **p)
         if p["moves"] and not execute:
@@ -606,9 +631,13 @@ async def apply(
         if p["moves"]:
             result = await _repartition(topo, via, nc, kv, pmap, p, seen, emit, state_dir)
         else:
-            await claim(kv, pmap, seen)
+            claimed = await claim(kv, pmap, seen)
             emit("claimed", map=pmap.name)
-            await _converge(nc, pmap, p)
+            try:
+                await _converge(nc, pmap, p)
+            except FerryError as exc:  # a stream the server would not make (an unknown cluster): no claim stays
+                await unclaim(kv, pmap, claimed, seen)
+                raise OperationFailed(f"map {pmap.name!r} not applied, its claim withdrawn: {exc}") from None
             result = {}
         problems = await _verify(nc, pmap)
         if problems:
@@ -673,10 +702,17 @@ async def _repartition(
     moves = p["moves"]
     targets = sorted({m["to"] for m in moves})
     await mv.check_listen(cluster, [m["pattern"] for m in moves])  # its guard refused later would leave copies
-    await claim(kv, pmap, seen, pending=True)
+    streams = await list_streams(nc)
+    for m in moves:  # what a new owner holds of a pattern before the copy must be told from the copies
+        if m["to"] in streams and (held := await stored_count(nc, m["to"], m["pattern"])):
+            raise PreflightFailed(
+                f"stream {m['to']} already holds {held:,} messages of {m['pattern']}, which {m['from']} owns "
+                f"(copies left by an unfinished repartition?): purge them first (`nats stream purge {m['to']} "
+                f"--subject '{m['pattern']}'`), then apply again"
+            )
+    claimed = await claim(kv, pmap, seen, pending=True)
     emit("claimed", map=pmap.name, pending=True)
     # 1. the new owners get a staging subject (created if missing)
-    streams = await list_streams(nc)
     for t in targets:
         part = next(x for x in pmap.partitions if x.stream == t)
         s = streams.get(t)
@@ -714,6 +750,33 @@ async def _repartition(
         emit("caught-up", messages=n, seconds=round(time.monotonic() - t, 3))
         if n < 200:
             break
+
+    async def unless_dropped() -> None:
+        """A new owner that dropped copies as duplicates (its duplicate window still holds their
+        msg ids: it held them itself a moment ago) would own the pattern without them: undo the
+        staging before the switch, and say when to apply again."""
+        dropped = [(m, dups[i]) for i, m in enumerate(moves) if dups[i]]
+        if not dropped:
+            return
+        for t in targets:
+            if t not in streams:
+                await mv.api(nc, f"$JS.API.STREAM.DELETE.{t}", timeout=10)
+                continue
+            for m in moves:  # it held none of them before (checked): whatever matches is a copy
+                if m["to"] == t:
+                    await mv.api(nc, f"$JS.API.STREAM.PURGE.{t}", {"filter": m["pattern"]}, timeout=10)
+            await _put_stream(nc, streams[t]["config"], True)
+        await unclaim(kv, pmap, claimed, seen)
+        m, n = dropped[0]
+        window = int((streams.get(m["to"], {}).get("config") or {}).get("duplicate_window", 0)) / 1e9
+        when = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + window)) if window else "its window ends"
+        raise OperationFailed(
+            f"{m['to']} dropped {n:,} of the copies of {m['pattern']} as duplicates: its duplicate window "
+            f"({window:g}s) still remembers their Nats-Msg-Id. Undone: {m['from']} still owns {m['pattern']} "
+            f"and holds every message; apply again after {when}"
+        )
+
+    await unless_dropped()
     # 4. guard the moving patterns on each new owner, switch, forward the tail
     root = mv.state_root(state_dir) / "partition" / f"{pmap.name}-{op_id}"
     guards = {}
@@ -724,6 +787,7 @@ async def _repartition(
             )
             await guards[t].start()
         await catch_up()
+        await unless_dropped()
         t_switch = time.monotonic()
         await _converge(nc, pmap, p, staged=frozenset(targets))
         switch_s = time.monotonic() - t_switch
