@@ -102,8 +102,8 @@ def matches(pattern: str, subject: str) -> bool:
     return _match_tokens(tokens(pattern), tokens(subject, literal=True))
 
 
-def overlap_witness(a: str, b: str) -> str | None:
-    """A literal subject matching both patterns, or None when no subject does."""
+def intersection(a: str, b: str) -> str | None:
+    """The pattern matching exactly the subjects both patterns match, or None when none does."""
     ta, tb = tokens(a), tokens(b)
     out: list[str] = []
     for i in range(max(len(ta), len(tb))):
@@ -111,16 +111,20 @@ def overlap_witness(a: str, b: str) -> str | None:
             return None  # one ended; the other needs more tokens (a '>' would have returned)
         x, y = ta[i], tb[i]
         if x == ">" or y == ">":
-            rest = tb[i:] if x == ">" else ta[i:]
-            out += [t if t not in ("*", ">") else _FILL for t in rest]
-            return ".".join(out)
+            return ".".join(out + (tb[i:] if x == ">" else ta[i:]))
         if x == "*":
-            out.append(_FILL if y == "*" else y)
+            out.append(y)
         elif y == "*" or x == y:
             out.append(x)
         else:
             return None
     return ".".join(out)
+
+
+def overlap_witness(a: str, b: str) -> str | None:
+    """A literal subject matching both patterns, or None when no subject does."""
+    both = intersection(a, b)
+    return None if both is None else ".".join(_FILL if t in ("*", ">") else t for t in both.split("."))
 
 
 def overlaps(a: str, b: str) -> bool:

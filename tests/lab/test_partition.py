@@ -289,42 +289,45 @@ def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_
 def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_switch(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:
-    """ptr.x.* moves from PT_RA to PT_RB, and at once back: PT_RA's duplicate window still holds
-    the msg ids of the messages it held a moment ago, so it drops every copy. The second apply
-    finds that out before it switches owners, undoes its staging and says when to apply again:
-    PT_RB still owns ptr.x.* and holds every message (it used to switch, leaving the new owner
-    empty and the messages outside every stream's subjects)."""
+    """PT_MB owns ptm.>; ptm.eu.> is split off to PT_MA, and at once merged back. PT_MB's duplicate
+    window still holds the msg ids of the eu messages it held a moment ago, so it drops every
+    copy. The merge finds that out before it switches owners, purges the copies it staged (and
+    nothing of PT_MB's own us messages), puts the claim back and says when to apply again. It
+    used to switch, leaving the eu messages outside every stream's subjects."""
     topology = supercluster.path / "topology.yaml"
-    a = {"name": "a", "stream": "PT_RA", "cluster": "east", "replicas": 1}
-    b = {"name": "b", "stream": "PT_RB", "cluster": "west", "replicas": 1}
-    v1 = write_map(tmp_path / "v1.yaml", "rt", [{**a, "patterns": ["ptr.x.*"]}, {**b, "patterns": ["ptr.y.*"]}])
-    v2 = write_map(tmp_path / "v2.yaml", "rt", [{**a, "patterns": ["ptr.y.*"]}, {**b, "patterns": ["ptr.x.*"]}])
-    ferry("partition", "apply", str(v1), topology=topology, check=True)
+    a = {"name": "a", "stream": "PT_MA", "cluster": "east", "replicas": 1}
+    b = {"name": "b", "stream": "PT_MB", "cluster": "west", "replicas": 1}
+    merged = write_map(tmp_path / "merged.yaml", "pm", [{**b, "patterns": ["ptm.>"]}])
+    split = write_map(tmp_path / "split.yaml", "pm", [{**a, "patterns": ["ptm.eu.>"]}, {**b, "patterns": ["ptm.us.>"]}])
+    ferry("partition", "apply", str(merged), topology=topology, check=True)
 
     async def publish() -> None:
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
             js = nc.jetstream()
             for i in range(500):
-                await js.publish(f"ptr.x.{i % 5}", b"x", headers={"Nats-Msg-Id": f"rt-{i}"}, timeout=5)
+                region = "eu" if i % 2 else "us"
+                await js.publish(f"ptm.{region}.{i % 5}", b"x", headers={"Nats-Msg-Id": f"pm-{i}"}, timeout=5)
 
     asyncio.run(publish())
-    ferry("partition", "apply", str(v2), "--execute", topology=topology, check=True)
-    r = ferry("partition", "apply", str(v1), "--execute", topology=topology)
+    ferry("partition", "apply", str(split), "--execute", topology=topology, check=True)
+    r = ferry("partition", "apply", str(merged), "--execute", topology=topology)
     assert r.returncode == 1, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]  # after the progress lines
-    assert said.startswith("error: PT_RA dropped 500 of the copies of ptr.x.* as duplicates"), said
-    assert "Undone: PT_RB still owns ptr.x.*" in said and "apply again after" in said, said
+    assert said.startswith("error: PT_MB dropped 250 of the copies of ptm.> as duplicates"), said
+    assert "Undone: PT_MA still owns ptm.>" in said and "apply again after" in said, said
 
     async def as_before() -> None:
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
             streams = await pt.list_streams(nc)
-            assert streams["PT_RB"]["config"]["subjects"] == ["ptr.x.*"]
-            assert streams["PT_RA"]["config"]["subjects"] == ["ptr.y.*"]  # no staging subject left
-            assert sum((await per_subject(nc, "PT_RB")).values()) == 500
-            assert sum((await per_subject(nc, "PT_RA")).values()) == 0  # the copies it took are gone
-            entry = (await pt.read_claims(nc))["maps"]["rt"]
-            assert entry.get("pending") is None and entry["map"] == pt.load_map(v2).model_dump()
-            await forget(nc, ["rt"], ["PT_RA", "PT_RB"])
+            assert streams["PT_MA"]["config"]["subjects"] == ["ptm.eu.>"]
+            assert streams["PT_MB"]["config"]["subjects"] == ["ptm.us.>"]  # no staging subject left
+            assert set(await per_subject(nc, "PT_MA")) == {f"ptm.eu.{i}" for i in range(5)}
+            assert sum((await per_subject(nc, "PT_MA")).values()) == 250
+            assert set(await per_subject(nc, "PT_MB")) == {f"ptm.us.{i}" for i in range(5)}  # its own, no copy
+            assert sum((await per_subject(nc, "PT_MB")).values()) == 250
+            entry = (await pt.read_claims(nc))["maps"]["pm"]
+            assert entry.get("pending") is None and entry["map"] == pt.load_map(split).model_dump()
+            await forget(nc, ["pm"], ["PT_MA", "PT_MB"])
 
     asyncio.run(as_before())
 

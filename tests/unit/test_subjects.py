@@ -14,6 +14,7 @@ from ferry.subjects import (
     SubjectError,
     SubjectIndex,
     covers,
+    intersection,
     is_literal,
     matches,
     overlap_witness,
@@ -156,6 +157,17 @@ def _pattern() -> st.SearchStrategy[str]:
 def test_overlaps_is_exact(a: str, b: str) -> None:
     both = [s for s in UNIVERSE if matches(a, s) and matches(b, s)]
     assert overlaps(a, b) is bool(both)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_pattern(), _pattern())
+def test_intersection_is_exact(a: str, b: str) -> None:
+    both = intersection(a, b)
+    assert both == intersection(b, a)
+    if both is None:
+        assert not overlaps(a, b)
+    else:
+        assert all(matches(both, s) is (matches(a, s) and matches(b, s)) for s in UNIVERSE)
 
 
 @settings(max_examples=400, deadline=None)

@@ -71,7 +71,7 @@ from ferry.errors import (
 )
 from ferry.ops import Emit, no_emit
 from ferry.ops import move as mv
-from ferry.subjects import SubjectError, SubjectIndex, covers, overlap_witness, problem
+from ferry.subjects import SubjectError, SubjectIndex, covers, intersection, overlap_witness, problem
 from ferry.topology import Topology
 
 __all__ = ["PartitionMap", "apply", "check", "load_map", "plan", "read_claims", "route", "unowned_traffic"]
@@ -703,13 +703,19 @@ async def _repartition(
     targets = sorted({m["to"] for m in moves})
     await mv.check_listen(cluster, [m["pattern"] for m in moves])  # its guard refused later would leave copies
     streams = await list_streams(nc)
-    for m in moves:  # what a new owner holds of a pattern before the copy must be told from the copies
-        if m["to"] in streams and (held := await stored_count(nc, m["to"], m["pattern"])):
-            raise PreflightFailed(
-                f"stream {m['to']} already holds {held:,} messages of {m['pattern']}, which {m['from']} owns "
-                f"(copies left by an unfinished repartition?): purge them first (`nats stream purge {m['to']} "
-                f"--subject '{m['pattern']}'`), then apply again"
-            )
+
+    def copied_as(m: dict[str, Any]) -> list[str]:
+        """The subjects the copies of move `m` take in its new owner: its pattern where the old owner captures it."""
+        return [x for q in _patterns_of(streams[m["from"]]["config"]) if (x := intersection(m["pattern"], q))]
+
+    for m in moves:  # what a new owner holds of them before the copy could not be told from the copies
+        for x in copied_as(m) if m["to"] in streams else []:
+            if held := await stored_count(nc, m["to"], x):
+                raise PreflightFailed(
+                    f"stream {m['to']} already holds {held:,} messages of {x}, which {m['from']} owns (copies left "
+                    f"by an unfinished repartition?): purge them first (`nats stream purge {m['to']} --subject "
+                    f"'{x}'`), then apply again"
+                )
     claimed = await claim(kv, pmap, seen, pending=True)
     emit("claimed", map=pmap.name, pending=True)
     # 1. the new owners get a staging subject (created if missing)
@@ -762,9 +768,8 @@ async def _repartition(
             if t not in streams:
                 await mv.api(nc, f"$JS.API.STREAM.DELETE.{t}", timeout=10)
                 continue
-            for m in moves:  # it held none of them before (checked): whatever matches is a copy
-                if m["to"] == t:
-                    await mv.api(nc, f"$JS.API.STREAM.PURGE.{t}", {"filter": m["pattern"]}, timeout=10)
+            for x in [x for m in moves if m["to"] == t for x in copied_as(m)]:  # it held none before (checked)
+                await mv.api(nc, f"$JS.API.STREAM.PURGE.{t}", {"filter": x}, timeout=10)
             await _put_stream(nc, streams[t]["config"], True)
         await unclaim(kv, pmap, claimed, seen)
         m, n = dropped[0]
