@@ -1074,6 +1074,8 @@ def audit_cmd(
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
             raise UsageError(f"--tier {item!r}: expected NAME=SNAPSHOT_DIR or NAME=URI")
+        if name in tiers:
+            raise UsageError(f"--tier {name}: given twice (each tier needs a name of its own)")
         tiers[name] = value
     needs_topology = any("://" in v and not v.startswith("parquet://") for v in tiers.values())
     topo = _topology(topology) if needs_topology else None

@@ -99,6 +99,31 @@ def test_a_ledger_for_a_snapshot_or_an_empty_directory_is_named_before_spark_run
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
 
 
+def test_one_load_given_twice_or_one_tier_name_twice_is_refused_before_spark_runs(tmp_path) -> None:
+    """Both used to be audited: a ledger and its copy doubled every count, a second tier of one name
+    replaced the first."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ferry.load import LEDGER_SCHEMA
+
+    ledger, tier = audit_inputs(tmp_path)
+    row = {n: [None] for n in LEDGER_SCHEMA.names} | {"id": ["r1-p0-1"], "run": ["r1"], "sent_ns": [1]}
+    pq.write_table(pa.table(row, schema=LEDGER_SCHEMA), ledger / "part-0.parquet")
+    shutil.copytree(ledger, tmp_path / "copy")
+    cases = [
+        (["--ledger", str(ledger), "--ledger", str(tmp_path / "copy"), "--tier", f"t={tier}"], "same load (run r1)"),
+        (["--ledger", str(ledger), "--tier", f"t={tier}", "--tier", f"t={tier}"], "--tier t: given twice"),
+    ]
+    audit = [sys.executable, "-m", "ferry.cli", "audit", "--html", str(tmp_path / "r.html")]
+    for args, expected in cases:
+        r = subprocess.run([*audit, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+        assert not (tmp_path / "r.html").exists()
+
+
 def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
         monkeypatch.setenv(var, "secret-" + var)

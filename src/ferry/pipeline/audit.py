@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ferry.errors import ConfigError, NotFound
+from ferry.errors import ConfigError, NotFound, UsageError
 
 __all__ = ["FULL_JVM_ROWS", "audit", "check_inputs", "tier_frame", "verdict"]
 
@@ -74,11 +74,16 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
             raise ConfigError(f"{what} {path!r} is not {kind}: it has no column {', '.join(missing)}")
         return rows
 
-    rows = 0
+    rows, runs = 0, {}
     for path in ledgers:
         if not Path(path).exists():
             raise NotFound(f"ledger {path!r} does not exist")
         rows += parquet_rows("ledger", path)
+        data = ds.dataset(path, format="parquet")
+        head = data.head(1, columns=["run"]).column("run").to_pylist() if "run" in data.schema.names else []
+        if head and head[0] in runs:  # one load writes one ledger: every message would count twice
+            raise UsageError(f"ledgers {runs[head[0]]!r} and {path!r} are of the same load (run {head[0]})")
+        runs.update(dict.fromkeys(head, path))
     for value in tiers.values():
         if "://" not in value or value.startswith("parquet://"):
             path = value.removeprefix("parquet://")
