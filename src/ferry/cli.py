@@ -660,22 +660,35 @@ def failback_cmd(
     def spark() -> Any:  # the queue mover reads with no data source
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
-    with contextlib.ExitStack() as stack:
-        bar: list[Callable[[int], None]] = []
+    begun: list[str] = []  # an interrupt after this leaves the failback on record, unfinished
+    try:
+        with contextlib.ExitStack() as stack:
+            bar: list[Callable[[int], None]] = []
 
-        def emit(event: str, **data: Any) -> None:
-            if as_json:
-                _json_events(event, **data)
-            elif event == "plan":
-                _print_failback_plan(data)
-            elif event == "progress":
-                if not bar:
-                    bar.append(stack.enter_context(_progress(data["total"], f"failback ({engine})")))
-                bar[0](data["moved"])
-            elif event in ("resume", "upstream-disabled", "upstream-restored"):
-                _print_plain_event(event, **data)
+            def emit(event: str, **data: Any) -> None:
+                if event in ("resume", "upstream-disabled") and not abort:
+                    begun.append(event)
+                if as_json:
+                    _json_events(event, **data)
+                elif event == "plan":
+                    _print_failback_plan(data)
+                elif event == "progress":
+                    if not bar:
+                        bar.append(stack.enter_context(_progress(data["total"], f"failback ({engine})")))
+                    bar[0](data["moved"])
+                elif event in ("resume", "upstream-disabled", "upstream-restored"):
+                    _print_plain_event(event, **data)
 
-        report = run(failback(topo, req, emit, spark))
+            report = run(failback(topo, req, emit, spark))
+    except KeyboardInterrupt:
+        if begun:
+            shovels = "its shovels may still move messages, and " if engine == "shovel" else ""
+            err.print(
+                f"the failback from {source} to {target} is on record, unfinished: {shovels}{source}'s federation "
+                "upstreams stay off. Run the same command again to finish it, or add --abort to restore them",
+                highlight=False,
+            )
+        raise
     if as_json:
         print_json(report)
         return
@@ -1861,7 +1874,7 @@ def main() -> None:
 def _interrupt_spark() -> None:
     spark = sys.modules.get("ferry.pipeline.spark")  # loaded only by the commands that use Spark
     if spark:
-        spark.interrupt_remote()
+        spark.interrupt()
 
 
 def _interrupted() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -372,7 +373,8 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
         return not any(asyncio.run(_upstreams(topo, "ltm")).values())
 
     base = ("failback", "--from", "ltm", "--to", "pc1")
-    ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology)
+    code, said = ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology, sig=signal.SIGINT)
+    assert code == 130 and "is on record, unfinished" in said and "Run the same command again" in said, said  # Ctrl-C
     view = json.loads(ferry(*base, "--dry-run", "--json", topology=topology, check=True).stdout)
     assert view["resuming"]["phase"] in ("disabling", "transferring") and dr["password"] not in json.dumps(view)
     moved_to = ferry("failback", "--from", "ltm", "--to", "ltm", "--target-queue", "x", topology=topology)

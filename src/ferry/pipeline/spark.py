@@ -63,6 +63,7 @@ _FULL_JVM = "-XX:+UseParallelGC"
 _JVM_LOG = "-Xlog:disable -Xlog:all=warning:stderr"
 
 _remote_sessions: list[Any] = []  # this process's Spark Connect sessions: their jobs run on the server
+_interrupted = threading.Event()  # Ctrl-C: no Spark job of this process begins or goes on
 
 
 def _class_archive(light_jvm: bool) -> str:
@@ -180,23 +181,34 @@ def get_session(
         ) from None
     if remote:
         _remote_sessions.append(spark)
+    if _interrupted.is_set():  # Ctrl-C came while the JVM started: no job begins
+        raise KeyboardInterrupt
     if data_sources:
         register(spark)
     return spark
 
 
-def interrupt_remote(timeout: float = 5.0) -> None:
-    """Stop this process's jobs on Spark Connect servers. Ctrl-C ends the client; a job on the
-    server would otherwise run on to its end, unwatched (a local driver dies with the client).
-    Bounded: pyspark retries a server that does not answer for minutes."""
+def interrupt(timeout: float = 5.0) -> None:
+    """Stop this process's Spark jobs (Ctrl-C). A job runs in a thread that asyncio waits for
+    before the process exits: a local job is cancelled, a session still being made gets no job
+    (:func:`get_session` raises), and a job on a Spark Connect server, which would otherwise run
+    on to its end unwatched, is interrupted there (bounded: pyspark retries a server that does not
+    answer for minutes)."""
+    from pyspark import SparkContext
 
-    def interrupt() -> None:
+    _interrupted.set()
+    local = SparkContext._active_spark_context
+    if local is not None:
+        with contextlib.suppress(Exception):
+            local.cancelAllJobs()
+
+    def interrupt_remote() -> None:
         for spark in _remote_sessions:
             with contextlib.suppress(Exception):
                 spark.interruptAll()
 
     if _remote_sessions:
-        t = threading.Thread(target=interrupt, daemon=True)
+        t = threading.Thread(target=interrupt_remote, daemon=True)
         t.start()
         with contextlib.suppress(BaseException):  # a second Ctrl-C: leave without waiting
             t.join(timeout)
