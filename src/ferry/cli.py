@@ -1008,24 +1008,30 @@ def load_cmd(
                 highlight=False,
             )
 
+    signalled: list[int] = []
+
     async def main() -> Any:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, lambda sig=sig: (signalled.append(sig), stop.set()))
         return await run_load(topo, opts, stop, progress)
 
     summary = run(main())
+    cut = bool(signalled) and not until_signal  # stopped before its --count or --duration
     if as_json:
-        print_json(summary.as_dict())
-        return
-    out.print(
-        f"load {summary.run}: sent {summary.sent:,} in {summary.seconds:.1f}s ({summary.rate:,.0f} msg/s); "
-        f"acked {summary.acked:,}, errors {summary.errors:,}, fire-and-forget {summary.not_asked:,}, "
-        f"retries {summary.retries:,}; ledger {summary.ledger}"
-    )
-    for line in summary.first_errors:
-        err.print(f"  error: {line}", highlight=False)
+        print_json(summary.as_dict() | {"interrupted": cut})
+    else:
+        out.print(
+            f"load {summary.run}: sent {summary.sent:,} in {summary.seconds:.1f}s ({summary.rate:,.0f} msg/s); "
+            f"acked {summary.acked:,}, errors {summary.errors:,}, fire-and-forget {summary.not_asked:,}, "
+            f"retries {summary.retries:,}; ledger {summary.ledger}"
+        )
+        for line in summary.first_errors:
+            err.print(f"  error: {line}", highlight=False)
+    if cut:
+        err.print("stopped before its --count or --duration: the ledger holds what was sent", highlight=False)
+        raise typer.Exit(128 + signalled[0])
 
 
 @app.command("snapshot")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -20,7 +25,7 @@ from ferry.lab.procs import group_members
 from ferry.ops import smoke
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
-from tests.helpers import as_rabbit_user, ferry
+from tests.helpers import FERRY, as_rabbit_user, ferry
 
 pytestmark = pytest.mark.lab
 
@@ -93,6 +98,27 @@ def test_a_jetstream_load_no_stream_takes_is_refused_at_once(sites: lab.LabState
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no stream in cluster 'nyc' takes 'nostream.0'" in r.stderr, r.stderr
     assert not (tmp_path / "l").exists()
+
+
+def test_a_load_stopped_before_its_duration_says_so_and_exits_non_zero(sites: lab.LabState, tmp_path: Path) -> None:
+    """A script could not tell a load cut short from a whole one: it printed its summary and exited 0."""
+    args = ["load", "nats://nyc", "--subject", "cut.{n}", "--rate", "500", "--duration", "60"]
+    env = {**os.environ, "FERRY_TOPOLOGY": str(sites.path / "topology.yaml")}
+    proc = subprocess.Popen(
+        [*FERRY, *args, "--ledger", str(tmp_path / "l"), "--json"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    time.sleep(3)  # a few seconds of its minute
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped before its --count or --duration" in err
+    summary = json.loads(out)
+    assert summary["interrupted"] is True and 0 < summary["sent"] < 60 * 500
+    assert summary["sent"] == pq.read_table(tmp_path / "l").num_rows  # the ledger holds what was sent
 
 
 async def test_rabbit_dr_queue_on_ltm_receives_and_delivers(rabbit_dr: lab.LabState) -> None:
