@@ -503,30 +503,34 @@ async def _close_quietly(sink: _Sink) -> None:
 async def snapshot_queue(
     cluster: RabbitCluster, name: str, vhost: str, queue: str, batch_size: int = 10_000, idle: float = 2.0
 ) -> Any:
-    """Yield Arrow batches of every ready message; unacked, they are requeued when the channels close.
+    """Yield Arrow batches of every ready message, in queue order; unacked, they are requeued when
+    the channels close.
 
-    A channel holds at most 65,535 unacked messages (and a quorum queue stops
-    at 2,000 without an explicit prefetch), so large queues are read through
-    several channels at once.
+    A channel holds at most 65,535 unacked messages (and a quorum queue stops at 2,000 without an
+    explicit prefetch), so a large queue is read through several channels, one after the other:
+    each consumer starts once the one before holds all it may (consumers at once take turns, and
+    the rows lose the queue's order), and each may hold no more than the count read at the start
+    (a federated queue whose consumers have room pulls messages from its upstream).
     """
     per_channel = 50_000
     source = f"{name}/{q(vhost)}/{queue}"
     conn = await amqp_connect(cluster, vhost=vhost)
     async with conn:
-        first = await conn.channel()
+        channel = await conn.channel()
         try:
-            total = await _ready(first, queue)
+            total = await _ready(channel, queue)
         except aio_pika.exceptions.ChannelClosed:
             raise NotFound(f"queue {queue!r} not found in vhost {vhost!r} of {name}") from None
-        builder, index = BatchBuilder(), 0
-        channels = [first] + [await conn.channel() for _ in range(max(0, -(-total // per_channel) - 1))]
+        builder, index, granted, channels = BatchBuilder(), 0, 0, []
         async with contextlib.AsyncExitStack() as stack:
             inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
-            for channel in channels if total else []:
-                await channel.set_qos(prefetch_count=min(per_channel, total))
-                consumer = _Consumer(await channel.get_queue(queue, ensure=False), inbox)
-                await stack.enter_async_context(consumer)
             while index < total:
+                if index == granted:  # the consumers so far hold all they may: the next one takes over
+                    channel = channel if not channels else await conn.channel()
+                    channels.append(channel)
+                    await channel.set_qos(prefetch_count=min(per_channel, total - granted))
+                    granted += min(per_channel, total - granted)
+                    await stack.enter_async_context(_Consumer(await channel.get_queue(queue, ensure=False), inbox))
                 try:
                     m = await asyncio.wait_for(inbox.get(), idle)
                 except TimeoutError:
