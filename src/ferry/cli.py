@@ -83,8 +83,11 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="Lab directory (defau
 
 
 def run(coro: Any) -> Any:
-    """asyncio.run, except that Ctrl-C stops Spark Connect jobs at once: asyncio.run would first
-    wait for the threads running them (failback's, the relay's) to end."""
+    """asyncio.run, except that Ctrl-C stops Spark jobs at once: asyncio.run would first wait for
+    the threads running them (failback's, the relay's) to end."""
+    spark = sys.modules.get("ferry.pipeline.spark")
+    if spark:
+        spark._interrupted.clear()  # a Ctrl-C seen by an earlier command of this process
     with asyncio.Runner() as runner:
         try:
             return runner.run(coro)
@@ -1018,9 +1021,9 @@ def load_cmd(
         return await run_load(topo, opts, stop, progress)
 
     summary = run(main())
-    cut = bool(signalled) and not until_signal  # stopped before its --count or --duration
+    summary.interrupted &= not until_signal  # a signal is how --until-signal ends
     if as_json:
-        print_json(summary.as_dict() | {"interrupted": cut})
+        print_json(summary.as_dict())
     else:
         out.print(
             f"load {summary.run}: sent {summary.sent:,} in {summary.seconds:.1f}s ({summary.rate:,.0f} msg/s); "
@@ -1029,7 +1032,7 @@ def load_cmd(
         )
         for line in summary.first_errors:
             err.print(f"  error: {line}", highlight=False)
-    if cut:
+    if summary.interrupted:
         err.print("stopped before its --count or --duration: the ledger holds what was sent", highlight=False)
         raise typer.Exit(128 + signalled[0])
 

@@ -116,6 +116,7 @@ class LoadSummary:
     retries: int = 0
     seconds: float = 0.0
     first_errors: list[str] = field(default_factory=list)
+    interrupted: bool = False  # stopped (a signal) before its count or duration
 
     @property
     def rate(self) -> float:
@@ -204,8 +205,11 @@ async def run_load(
         send = await _sender(kind, topology, cluster, vhost, opts, record, inflight)
         try:
             seq = 0
-            while not stop.is_set() and (quota is None or seq < quota):
+            while quota is None or seq < quota:
                 if deadline and time.monotonic() >= deadline:
+                    break
+                if stop.is_set():
+                    summary.interrupted = True  # before its count or duration
                     break
                 await pacer.wait()
                 seq += 1

@@ -114,7 +114,7 @@ def test_one_load_given_twice_or_one_tier_name_twice_is_refused_before_spark_run
     pq.write_table(pa.table(row, schema=LEDGER_SCHEMA), ledger / "part-0.parquet")
     shutil.copytree(ledger, tmp_path / "copy")
     cases = [
-        (["--ledger", str(ledger), "--ledger", str(tmp_path / "copy"), "--tier", f"t={tier}"], "same load (run r1)"),
+        (["--ledger", str(ledger), "--ledger", str(tmp_path / "copy"), "--tier", f"t={tier}"], "both hold load r1"),
         (["--ledger", str(ledger), "--tier", f"t={tier}", "--tier", f"t={tier}"], "--tier t: given twice"),
     ]
     audit = [sys.executable, "-m", "ferry.cli", "audit", "--html", str(tmp_path / "r.html")]

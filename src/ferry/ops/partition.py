@@ -773,18 +773,22 @@ async def _repartition(
             await _put_stream(nc, streams[t]["config"], True)
         await unclaim(kv, pmap, claimed, seen)
         m, n = dropped[0]
-        window = int((streams.get(m["to"], {}).get("config") or {}).get("duplicate_window", 0)) / 1e9
-        when = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + window)) if window else "its window ends"
+        if m["to"] in streams:
+            window = int(streams[m["to"]]["config"].get("duplicate_window", 0)) / 1e9
+            why = f"its duplicate window ({window:g}s) still remembers their Nats-Msg-Id, or "
+            after = f"; apply again after {time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + window))}"
+        else:
+            why, after = "", ""  # a new stream remembers nothing
         raise OperationFailed(
-            f"{m['to']} dropped {n:,} of the copies of {m['pattern']} as duplicates: its duplicate window "
-            f"({window:g}s) still remembers their Nats-Msg-Id. Undone: {m['from']} still owns {m['pattern']} "
-            f"and holds every message; apply again after {when}"
+            f"{m['to']} dropped {n:,} of the copies of {m['pattern']} as duplicates: {why}{m['from']} holds "
+            f"messages that share one. Undone: {m['from']} still owns {', '.join(copied_as(m))} and holds every "
+            f"message{after}"
         )
 
     await unless_dropped()
     # 4. guard the moving patterns on each new owner, switch, forward the tail
     root = mv.state_root(state_dir) / "partition" / f"{pmap.name}-{op_id}"
-    guards = {}
+    guards, t_switch = {}, 0.0
     try:
         for t in targets:  # one refused (the user may not listen): the switch is not made
             guards[t] = mv.Guard(
@@ -801,6 +805,8 @@ async def _repartition(
     finally:
         for g in guards.values():
             await g.stop()
+        if not t_switch:  # stopped before the switch: what the guards heard (payloads) serves nothing
+            shutil.rmtree(root, ignore_errors=True)
     # 5. what the guard heard and the new owner lacks is re-published there
     guard_results = {}
     for t in targets:

@@ -80,10 +80,11 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
             raise NotFound(f"ledger {path!r} does not exist")
         rows += parquet_rows("ledger", path)
         data = ds.dataset(path, format="parquet")
-        head = data.head(1, columns=["run"]).column("run").to_pylist() if "run" in data.schema.names else []
-        if head and head[0] in runs:  # one load writes one ledger: every message would count twice
-            raise UsageError(f"ledgers {runs[head[0]]!r} and {path!r} are of the same load (run {head[0]})")
-        runs.update(dict.fromkeys(head, path))
+        these = data.to_table(columns=["run"]).column("run").unique().to_pylist() if "run" in data.schema.names else []
+        for run in these:  # a load given twice (a copy, or a directory and one inside it): each message counts twice
+            if run in runs:
+                raise UsageError(f"ledgers {runs[run]!r} and {path!r} both hold load {run}")
+            runs[run] = path
     for value in tiers.values():
         if "://" not in value or value.startswith("parquet://"):
             path = value.removeprefix("parquet://")
