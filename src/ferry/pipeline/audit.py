@@ -60,7 +60,8 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
     from ferry.pipeline.jetstream import stream_states
     from ferry.pipeline.uris import parse_uri
 
-    def parquet_rows(what: str, path: str) -> int:
+    def opened(what: str, path: str) -> tuple[Any, int]:
+        """The Parquet dataset at `path`, checked to be a `what` (ledger or tier), and its rows."""
         try:
             data = ds.dataset(path, format="parquet")
             rows = data.count_rows()
@@ -72,14 +73,14 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
         if missing:
             kind = "a ledger (`ferry load --ledger`)" if what == "ledger" else "a snapshot (`ferry snapshot`)"
             raise ConfigError(f"{what} {path!r} is not {kind}: it has no column {', '.join(missing)}")
-        return rows
+        return data, rows
 
     rows, runs = 0, {}
     for path in ledgers:
         if not Path(path).exists():
             raise NotFound(f"ledger {path!r} does not exist")
-        rows += parquet_rows("ledger", path)
-        data = ds.dataset(path, format="parquet")
+        data, n = opened("ledger", path)
+        rows += n
         these = data.to_table(columns=["run"]).column("run").unique().to_pylist() if "run" in data.schema.names else []
         for run in these:  # a load given twice (a copy, or a directory and one inside it): each message counts twice
             if run in runs:
@@ -90,7 +91,7 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
             path = value.removeprefix("parquet://")
             if not Path(path).exists():
                 raise NotFound(f"tier {value!r}: no such snapshot directory")
-            rows += parquet_rows("tier", path)
+            rows += opened("tier", path)[1]
             continue
         src = parse_uri(value)
         if src.kind != "jetstream":
