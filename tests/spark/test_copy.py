@@ -19,8 +19,9 @@ import pytest
 
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.errors import FerryError
 from ferry.lab.scenarios import fill_queue
-from ferry.pipeline.jetstream import ReadConfig, WriteConfig
+from ferry.pipeline.jetstream import ReadConfig, WriteConfig, plan_ranges, read_rows, write_rows
 from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import (
@@ -643,6 +644,28 @@ def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_noth
             return [(await nc.jsm().stream_info(name)).state.messages for name in ("COTHER", "CSRC")]
 
     assert asyncio.run(counts()) == [0, N]
+
+
+def test_a_failed_write_has_closed_its_reader_when_it_raises(supercluster: lab.LabState, source_stream: str) -> None:
+    """What a copy task runs: its rows' read-ahead task and connections are gone when the write
+    raises, not left to asyncio.run's teardown, which cancels nats-py's own tasks with them (a
+    reader left to it waited for ever to delete its consumer: a CI run's copy hung 300 s)."""
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "west", "COTHER", ["cother.>"], placement="west"))
+    read = ReadConfig(cluster=topo.nats("east").model_dump_json(), name="east", streams=(source_stream,))
+    write = WriteConfig(cluster=topo.nats("west").model_dump_json(), name="west", stream="COTHER", ordered=True)
+    part = plan_ranges(read)[0]
+
+    async def left_running() -> list[str]:
+        with pytest.raises(FerryError, match="expected stream does not match"):
+            await write_rows(write, read_rows(read, part))
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    loop = asyncio.new_event_loop()  # not asyncio.run: its teardown is what waited for ever
+    try:
+        assert loop.run_until_complete(left_running()) == []
+    finally:
+        loop.close()
 
 
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:

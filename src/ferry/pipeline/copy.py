@@ -606,11 +606,12 @@ async def _read_group(
     """The ranges' messages in order, a list at a time, without the sequences the destination
     already holds."""
     for part in ranges:
-        async for rows in js.read_rows(rcfg, part):
-            if held:
-                rows = [row for row in rows if row[5] not in held]
-            if rows:
-                yield rows
+        async with contextlib.aclosing(js.read_rows(rcfg, part)) as lists:
+            async for rows in lists:
+                if held:
+                    rows = [row for row in rows if row[5] not in held]
+                if rows:
+                    yield rows
 
 
 def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:

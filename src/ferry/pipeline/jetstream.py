@@ -64,7 +64,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -599,11 +599,12 @@ async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBat
     """Every message of `part.stream` with lo <= seq <= hi (matching cfg.subject), in order."""
     source = f"{cfg.name}/{part.stream}"
     builder = BatchBuilder()
-    async for got in pulled(cfg, part):
-        for m, seq, ts_ns in got:
-            builder.add(m.subject, m.data, m.headers, (m.headers or {}).get(MSG_ID), source, seq, ts_ns // 1000)
-        if len(builder) >= cfg.batch_size:
-            yield builder.flush()
+    async with contextlib.aclosing(pulled(cfg, part)) as lists:
+        async for got in lists:
+            for m, seq, ts_ns in got:
+                builder.add(m.subject, m.data, m.headers, (m.headers or {}).get(MSG_ID), source, seq, ts_ns // 1000)
+            if len(builder) >= cfg.batch_size:
+                yield builder.flush()
     if len(builder):
         yield builder.flush()
 
@@ -621,28 +622,29 @@ def stream_frame(spark: Any, cfg: ReadConfig) -> Any:
 async def read_rows(
     cfg: ReadConfig,
     part: Range,
-    lists: AsyncIterator[list[tuple[Any, int, int]]] | None = None,
+    lists: AsyncGenerator[list[tuple[Any, int, int]]] | None = None,
     relayed: bool = True,
-) -> AsyncIterator[list[tuple[Any, ...]]]:
+) -> AsyncGenerator[list[tuple[Any, ...]]]:
     """The messages of `part` (pulled, or from `lists`), a list at a time, as the rows :func:`write_rows`
     publishes (subject, payload, headers, msg id, source, seq), without building Arrow batches: what
     tasks that read and write at once (a copy between streams, a relay) use. Headers are the block
     as received, unparsed (bytes), when the message came with one. Without `relayed`, the messages
-    a relay wrote here (with ``Ferry-Origin-Site``) are left out."""
+    a relay wrote here (with ``Ferry-Origin-Site``) are left out. Closing it closes `lists`."""
     source = f"{cfg.name}/{part.stream}"
-    async for got in lists or pulled(cfg, part):
-        rows = []
-        for m, seq, _ in got:
-            raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
-            if raw is not None:
-                if relayed or raw.find(b"Ferry-Origin-Site") < 0 or ORIGIN_SITE_HDR not in (m.headers or {}):
-                    rows.append((m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq))
-            else:
-                headers = m.headers or {}
-                if relayed or ORIGIN_SITE_HDR not in headers:
-                    rows.append((m.subject, m.data, headers, headers.get(MSG_ID), source, seq))
-        if rows:
-            yield rows
+    async with contextlib.aclosing(lists or pulled(cfg, part)) as source_lists:
+        async for got in source_lists:
+            rows = []
+            for m, seq, _ in got:
+                raw = m.raw if m.raw is not None or m.headers else _NO_HEADERS  # edited headers: a dict
+                if raw is not None:
+                    if relayed or raw.find(b"Ferry-Origin-Site") < 0 or ORIGIN_SITE_HDR not in (m.headers or {}):
+                        rows.append((m.subject, m.data, raw, header_value(raw, _MSG_ID), source, seq))
+                else:
+                    headers = m.headers or {}
+                    if relayed or ORIGIN_SITE_HDR not in headers:
+                        rows.append((m.subject, m.data, headers, headers.get(MSG_ID), source, seq))
+            if rows:
+                yield rows
 
 
 class _RelayLink:
@@ -676,8 +678,7 @@ async def _relay(cfg: ReadConfig, to: WriteConfig, part: Range) -> WriteCounts:
     key = ("relay", cfg, to, part.stream)
     async with _kept.using(key, lambda: _RelayLink.open(cfg, to, part.stream)) as link:
         lists = read_ahead(link.reader.lists(part, keep=True))
-        async with contextlib.aclosing(lists):  # its read-ahead task must not outlive a failed write
-            return await write_rows(to, read_rows(cfg, part, lists, relayed=False), link.dest)
+        return await write_rows(to, read_rows(cfg, part, lists, relayed=False), link.dest)
 
 
 class JetStreamReader(DataSourceReader):
@@ -797,13 +798,20 @@ async def write_batches(cfg: WriteConfig, batches: Batches) -> WriteCounts:
 
 
 async def write_rows(
-    cfg: WriteConfig, rows: AsyncIterator[list[tuple[Any, ...]]], dest: Wire | None = None
+    cfg: WriteConfig, rows: AsyncGenerator[list[tuple[Any, ...]]], dest: Wire | None = None
 ) -> WriteCounts:
     """Publish every row (subject, payload, headers as a dict, pairs or an encoded block, msg id,
     source, seq) of `rows`, which come a list at a time, on `dest` if given (else a connection of
-    its own); raise if any message could not be stored."""
+    its own); raise if any message could not be stored.
+
+    `rows` is closed before this returns or raises: a reader's read-ahead task and connections
+    must not be left to ``asyncio.run``'s teardown, which cancels the connections' own tasks with
+    them (a failed copy's reader then waited for ever to delete its consumer)."""
     counts = WriteCounts()
-    async with contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name, prefer=cfg.leader) as w:
+    async with (
+        contextlib.aclosing(rows),
+        contextlib.nullcontext(dest) if dest else wire(cfg.nats(), cfg.name, prefer=cfg.leader) as w,
+    ):
         if cfg.ordered:
             async with bnats.session(cfg.nats(), name=cfg.name, timeout=30) as nc:
                 await _write_ordered(nc, w, cfg, rows, counts)
