@@ -700,6 +700,12 @@ def failback_cmd(
         out.print(f"failback {j['id']} {j['source']} -> {j['target']}: phase {j['phase']} since {j['updated']}")
         for name, left in report["left"].items():
             out.print(f"  {name}: {left:,} left")
+        if report["abort"]:
+            names = ", ".join(f"{u['name']!r} in vhost {u['vhost']!r}" for u in j["upstreams"])
+            out.print(
+                f"--abort would remove ferry's shovels and restore the upstream(s) {names}; "
+                f"what has moved stays on {j['target']}"
+            )
         return
     if report["outcome"] == "nothing to do":
         out.print(f"nothing to do: no federated queue on {source} holds ready messages")

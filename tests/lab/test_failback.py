@@ -381,6 +381,9 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     assert code == 130 and "is on record, unfinished" in said and "Run the same command again" in said, said  # Ctrl-C
     view = json.loads(ferry(*base, "--dry-run", "--json", topology=topology, check=True).stdout)
     assert view["resuming"]["phase"] in ("disabling", "transferring") and dr["password"] not in json.dumps(view)
+    would = ferry(*base, "--abort", "--dry-run", topology=topology, check=True).stdout
+    assert "--abort would remove ferry's shovels and restore the upstream(s)" in would, would
+    assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # the dry run restored nothing
     moved_to = ferry("failback", "--from", "ltm", "--to", "ltm", "--target-queue", "x", topology=topology)
     assert moved_to.returncode != 0 and "rerun it with --to pc1" in moved_to.stderr  # the journal's target wins
 
@@ -390,8 +393,9 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # killed before the transfer began
-    nothing = ferry("failback", "--from", "ltm", "--to", "pc1", "--abort", "--json", topology=topology, check=True)
-    assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"
+    for dry in ((), ("--dry-run",)):
+        nothing = ferry(*base, "--abort", *dry, "--json", topology=topology, check=True)
+        assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"
 
 
 def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabState) -> None:

@@ -241,6 +241,8 @@ async def failback(
             journal = await read_journal(sm)
             if journal:
                 return await _resume_view(journal, src_c, req)
+            if req.abort:
+                return {"outcome": "nothing to abort", "source": req.source}
             plan = public(await _plan(sm, dm, src_c, dst_c, req, vhosts))
             emit("plan", **plan)
             return {"outcome": "dry-run" if plan["queues"] else "nothing to do", "plan": plan}
@@ -355,7 +357,7 @@ async def _resume_view(journal: dict[str, Any], src_c: RabbitCluster, req: Failb
         left = {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in journal["queues"]}
     finally:
         await counts.close()
-    return {"outcome": "dry-run", "resuming": public(journal), "left": left}
+    return {"outcome": "dry-run", "resuming": public(journal), "left": left, "abort": req.abort}
 
 
 async def _disable(sm: Management, journal: dict[str, Any], emit: Emit) -> None:
