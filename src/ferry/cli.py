@@ -87,7 +87,7 @@ def run(coro: Any) -> Any:
     the threads running them (failback's, the relay's) to end."""
     spark = sys.modules.get("ferry.pipeline.spark")
     if spark:
-        spark._interrupted.clear()  # a Ctrl-C seen by an earlier command of this process
+        spark.clear_interrupt()  # a Ctrl-C seen by an earlier command of this process
     with asyncio.Runner() as runner:
         try:
             return runner.run(coro)

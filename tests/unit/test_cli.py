@@ -212,6 +212,20 @@ def test_ctrl_c_reaches_remote_spark_jobs_before_their_threads_end(monkeypatch: 
     assert job_over.is_set()
 
 
+def test_a_command_after_an_interrupted_one_may_start_spark_jobs() -> None:
+    """An interrupt stops this process's Spark jobs; the next command of the process (the API's
+    callers run several) starts with the flag cleared."""
+    import asyncio
+
+    from ferry import cli
+    from ferry.pipeline import spark
+
+    spark.interrupt()
+    assert spark._interrupted.is_set()
+    cli.run(asyncio.sleep(0))
+    assert not spark._interrupted.is_set()
+
+
 def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
     """A directory for a file (OSError): one line, exit 1; an HTML report's missing directory is
     found before the audit's Spark job, not after it."""

@@ -188,6 +188,11 @@ def get_session(
     return spark
 
 
+def clear_interrupt() -> None:
+    """Let Spark jobs begin again after :func:`interrupt` (the next command of the same process)."""
+    _interrupted.clear()
+
+
 def interrupt(timeout: float = 5.0) -> None:
     """Stop this process's Spark jobs (Ctrl-C). A job runs in a thread that asyncio waits for
     before the process exits: a local job is cancelled, a session still being made gets no job
