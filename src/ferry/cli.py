@@ -1063,8 +1063,13 @@ def snapshot_cmd(
 
     topo = _topology(topology)
     spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot", data_sources=False)
-    with _busy(f"snapshot of {source} (a Spark job)", not as_json):
-        result = snapshot(topo, spark, source, out_dir, federated)
+    if source.startswith("jetstream:"):  # a stream's readers count what they got
+        result = snapshot(
+            topo, spark, source, out_dir, federated, progress=lambda n: _progress(n, "snapshot", enabled=not as_json)
+        )
+    else:
+        with _busy(f"snapshot of {source} (a Spark job)", not as_json):
+            result = snapshot(topo, spark, source, out_dir, federated)
     if as_json:
         print_json(result)
         return

@@ -96,7 +96,8 @@ def test_load_snapshot_audit_and_named_losses(
     )
     assert json.loads(mq.stdout)["acked"] == N
 
-    ferry("snapshot", "jetstream://east/PROOF", "--out", str(tmp_path / "js-snap"), topology=topology, check=True)
+    js_snap = ferry("snapshot", "jetstream://east/PROOF", "--out", str(tmp_path / "js-snap"), topology=topology)
+    assert js_snap.returncode == 0 and f"{N}/{N}" in js_snap.stderr, js_snap.stderr  # its progress bar, at the end
     ferry("snapshot", "rabbitmq://ltm/%2F/proof-q", "--out", str(tmp_path / "mq-snap"), topology=topology, check=True)
     assert asyncio.run(queue_depth(rabbit_topo, "ltm", "/", "proof-q")) == N  # the snapshot left the queue as it was
 

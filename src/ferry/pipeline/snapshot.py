@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +34,24 @@ from ferry.topology import RabbitCluster, Topology
 __all__ = ["snapshot"]
 
 
-def snapshot(topology: Topology, spark: Any, source: str, out: Path, federated: bool = False) -> dict[str, Any]:
+def snapshot(
+    topology: Topology,
+    spark: Any,
+    source: str,
+    out: Path,
+    federated: bool = False,
+    progress: Callable[[int], AbstractContextManager[Callable[[int], None]]] | None = None,
+) -> dict[str, Any]:
     """What a stream or queues hold, into Parquet at `out`. A federated queue is refused unless
-    `federated`: reading it pulls messages from its upstream into it."""
+    `federated`: reading it pulls messages from its upstream into it. A stream's snapshot is
+    reported to what `progress(messages planned)` gives (it is called with the messages read)."""
     src = parse_uri(source)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"snapshot directory {out} is not empty")
     if src.kind == "jetstream":
         plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions())
-        report = run_copy(topology, plan, spark)
+        with progress(plan.messages) if progress else contextlib.nullcontext() as advance:
+            report = run_copy(topology, plan, spark, advance)
         return {"source": source, "out": str(out), "messages": report.read, "seconds": round(report.seconds, 2)}
     if src.kind != "rabbitmq":
         raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
