@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -602,7 +602,7 @@ def _source_cfg(topology: Topology, plan: CopyPlan) -> js.ReadConfig:
 
 async def _read_group(
     rcfg: js.ReadConfig, ranges: list[js.Range], held: set[int]
-) -> AsyncIterator[list[tuple[Any, ...]]]:
+) -> AsyncGenerator[list[tuple[Any, ...]]]:
     """The ranges' messages in order, a list at a time, without the sequences the destination
     already holds."""
     for part in ranges:

@@ -787,7 +787,7 @@ async def _each(batches: Batches) -> AsyncIterator[pa.RecordBatch]:
             yield batch
 
 
-async def _row_lists(batches: Batches) -> AsyncIterator[list[tuple[Any, ...]]]:
+async def _row_lists(batches: Batches) -> AsyncGenerator[list[tuple[Any, ...]]]:
     async for batch in _each(batches):
         yield list(_rows(batch))
 
