@@ -196,8 +196,8 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
 
     def availability(node: str, cluster: str | None) -> JSONResponse:
         cname = reg.locate(node, cluster)
-        if cname not in reg.states:
-            return JSONResponse({"node": node, "available": False, "reason": "journal not read yet"}, 503)
+        if cname not in reg.states:  # a journal that cannot be read must not take every node out of the balancer
+            return JSONResponse({"node": node, "cluster": cname, "available": True, "reason": "journal not read yet"})
         why = rb.unavailable(reg.states[cname], cname, node)
         return JSONResponse({"node": node, "cluster": cname, "available": not why, "reason": why}, 503 if why else 200)
 

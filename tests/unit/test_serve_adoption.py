@@ -1,4 +1,5 @@
-"""`ferry serve` adopts an operation only on a fresh read of its journal (pure logic)."""
+"""`ferry serve` decides by what it has read of the journals: adoption only on a fresh read, and
+no node taken out of the balancer by a journal it cannot read."""
 
 from __future__ import annotations
 
@@ -55,3 +56,21 @@ def test_an_owner_running_on_this_host_is_never_adopted(registry: Registry) -> N
         assert [key for _, key, _ in registry.orphans()] == ["b", "c"]
     finally:
         zombie.wait()
+
+
+def test_a_journal_not_read_yet_leaves_every_node_available(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail open: a cluster whose journal serve cannot read (here: nothing listens) would else have
+    every node answer 503, and the load balancer would take the whole cluster out."""
+    from fastapi.testclient import TestClient
+
+    from ferry.api import create_app
+
+    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
+        monkeypatch.setenv(var, "secret")
+    path = tmp_path / "t.yaml"
+    path.write_text(VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1"))
+    with TestClient(create_app(load_topology(path), None)) as client:
+        for node in ("east-1", "ltm-1"):
+            got = client.get(f"/availability_check?node={node}")
+            assert got.status_code == 200 and got.json()["reason"] == "journal not read yet", got.text
+        assert client.get("/availability_check?node=nope").status_code == 404
