@@ -136,6 +136,14 @@ def _run(spark: Any, tmp: Path, ledger: list[dict[str, Any]], tier: list[dict[st
     return audit(spark, str(tmp / "ledger"), {"t": frame}, bucket_s=1, **kw)
 
 
+def test_lost_ids_are_listed_in_send_order(spark: Any, tmp_path: Path) -> None:
+    ledger = _ledger(1, 30, 3, ["acked"])
+    report = _run(
+        spark, tmp_path, ledger, _tier(ledger, drop={1, 9, 10, 19}, dup={}, corrupt=set(), swaps=[], strangers=0)
+    )["tiers"]["t"]
+    assert [r["id"] for r in report["lost_ids"]] == ["r-p0-2", "r-p0-10", "r-p0-11", "r-p0-20"]
+
+
 def test_fixed_faults_are_counted_exactly(spark: Any, tmp_path: Path) -> None:
     ledger = _ledger(2, 50, 3, ["acked", "acked", "not_asked", "error"])
     tier = _tier(ledger, drop={0, 1, 2, 3, 40}, dup={10: 2, 11: 1}, corrupt={20, 21}, swaps=[30], strangers=3)

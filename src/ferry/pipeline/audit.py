@@ -25,6 +25,7 @@ its sequence for the reorder check. Delays use the ``Ferry-Sent`` header (``x-fe
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +217,11 @@ def audit(
         # a bounded sample of the faulty ids: lost ids have no delay, so all of a bucket's share one
         # bin; a bin with delays is one of up to hundreds per bucket (duplicated, corrupted, unexpected).
         # The faulty ids beyond it are folded into their bin's unlisted group: counted, not listed.
-        in_bin = Window.partitionBy("bucket", "dbin").orderBy(F.col("fault").isNull(), F.col("fault.id"))
+        in_bin = Window.partitionBy("bucket", "dbin").orderBy(
+            F.col("fault").isNull(),
+            F.length("fault.id"),
+            F.col("fault.id"),  # r-p0-2 before r-p0-10
+        )
         limit = F.when(F.col("dbin").isNull(), 4 * max_listed).otherwise(max(1, max_listed // 16))
         summed = [c for c in grouped.columns if c not in ("bucket", "dbin", "fault", "dmin", "dmax")]
         groups = (
@@ -238,7 +243,8 @@ def audit(
         unexpected = sum(int(g["unexpected"] or 0) for g in groups)
         delay = _delay_summary([g for g in groups if g["delays"]])
         faults = sorted(
-            ({**g["fault"].asDict(), "bucket": g["bucket"]} for g in groups if g["fault"]), key=lambda f: f["id"] or ""
+            ({**g["fault"].asDict(), "bucket": g["bucket"]} for g in groups if g["fault"]),
+            key=lambda f: _natural(f["id"]),
         )
 
         def listed(flag: str, rows: list[dict[str, Any]] = faults) -> list[dict[str, Any]]:
@@ -279,6 +285,11 @@ def _hash64(hex_digest: Any) -> Any:
     from pyspark.sql import functions as F
 
     return F.when(hex_digest.isNotNull(), F.xxhash64(hex_digest))
+
+
+def _natural(text: str | None) -> list[Any]:
+    """`text` split so that its numbers compare as numbers: run-p0-2 before run-p0-10."""
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", text or "")]
 
 
 def verdict(report: dict[str, Any], max_lost: int = 0, max_dup: int = 0) -> list[str]:
