@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferry.ops.replicate import Held, Replication
+from ferry.ops.replicate import Held, Replication, replicable
+from ferry.pipeline.spark import spark_error
 
 
 def test_resume_after_the_highest_and_recheck_only_holes() -> None:
@@ -63,3 +64,22 @@ def test_each_stream_is_relayed_to_the_server_that_leads_its_destination() -> No
     relay = JetStreamDataSource(options).streamReader(None).relay
     assert relay is not None and relay["A"].leader == "west-2" and relay["B"].leader == ""
     assert relay["A"].name == relay["B"].name == "west"  # the rest of the write options as given
+
+
+def test_a_glob_leaves_out_each_site_s_own_streams() -> None:
+    names = ["ORDERS", "KV_ferry_journal", "$MQTT_sess", "$MQTT_msgs", "OTHER"]
+    assert replicable(names, "*") == ["ORDERS", "OTHER"]
+    assert replicable(names, "$MQTT_*") == []
+
+
+def test_a_failed_relay_query_is_told_by_its_cause() -> None:
+    """Spark's first line of a streaming source's failure is its own; the task's exception comes last."""
+    text = (
+        "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data source perform "
+        "latestOffset: Traceback (most recent call last):\n"
+        '  File "/x/ferry/pipeline/jetstream.py", line 700, in latestOffset\n'
+        "    return asyncio.run(self._latest())\n"
+        "ferry.errors.BrokerUnavailable: cannot connect to nyc: connection refused\n"
+        "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.latestOffset(x.scala:1)\n"
+    )
+    assert str(spark_error(Exception(text))) == "cannot connect to nyc: connection refused"

@@ -48,6 +48,7 @@ from ferry.ops.journal import Journal, owner_alive, process_start
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
+from ferry.pipeline.spark import spark_error
 from ferry.publish import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
 from ferry.topology import NatsCluster, Topology
 
@@ -123,10 +124,16 @@ def _check(topo: Topology, rep: Replication) -> None:
         raise UsageError("--stream-name must contain {stream} and no other {...}")
 
 
+def replicable(names: list[str], glob: str) -> list[str]:
+    """The streams of `names` that `glob` picks: not KV buckets (ferry's journals among them) nor the
+    server's own streams ($MQTT_sess, ...), which each site has for itself."""
+    return sorted(n for n in names if fnmatch.fnmatchcase(n, glob) and not n.startswith(("KV_", "$")))
+
+
 async def _streams(cluster: NatsCluster, glob: str, site: str) -> list[str]:
     async with bnats.session(cluster, name=site, client_name=CONTROL) as nc:
         names = [n async for n in paged(nc, "$JS.API.STREAM.NAMES", "streams")]
-    found = sorted(n for n in names if fnmatch.fnmatchcase(n, glob) and not n.startswith("KV_"))
+    found = replicable(names, glob)
     if not found:
         raise NotFound(f"no stream at {site} matches {glob!r}")
     return found
@@ -674,7 +681,10 @@ class Relay:
                     await self._stop_marker(lease, rep, streams)
                     return "stopped"
                 if not query.isActive:
-                    raise FerryError(f"the relay's Spark query failed: {_first_line(query.exception())}")
+                    failed = query.exception()  # its first line is Spark's, the cause is the task's last
+                    raise FerryError(
+                        f"the relay's Spark query failed: {spark_error(failed) if failed else 'it stopped'}"
+                    )
                 offsets = _offsets(query)
                 if offsets is not None and not warm:
                     warm = True
