@@ -1669,7 +1669,16 @@ def site_failback(
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
     emit = _json_events if as_json else _print_plain_event
-    report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))
+    try:
+        report = run(rp.failback(_topology(topology), to, spark, emit=emit, dry_run=dry_run))
+    except KeyboardInterrupt:
+        if not dry_run:
+            err.print(
+                f"the failback to {to} is unfinished: run the same command again to finish it "
+                "(what it copied stays, and nothing is copied twice)",
+                highlight=False,
+            )
+        raise
     if as_json:
         print_json(report)
         return
@@ -1678,7 +1687,9 @@ def site_failback(
         return
     table = Table("stream", "RPO (acked, never relayed)", f"recovered to {report['primary_was']}", f"brought to {to}")
     for s, r in report["streams"].items():
-        table.add_row(s, f"{r['rpo']:,}", f"{r['recovered']:,}", f"{r['brought']:,}")
+        before = r["rpo"] - r["recovered"]  # an earlier, interrupted failback's
+        recovered = f"{r['recovered']:,}" + (f" (+{before:,} already there)" if before > 0 else "")
+        table.add_row(s, f"{r['rpo']:,}", recovered, f"{r['brought']:,}")
     out.print(table)
     out.print(report["replication"])
 

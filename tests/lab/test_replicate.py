@@ -283,6 +283,15 @@ def test_both_ways_without_cycles(topology: Path, tmp_path: Path, spark: Any) ->
             r.close()
 
 
+async def _failback_held(topo: Any) -> bool:
+    """Whether a site failback to nyc holds its key in nyc's journal."""
+    from ferry.brokers import nats as bnats
+    from ferry.ops.journal import Journal
+
+    async with bnats.session(topo.nats("nyc")) as nc:
+        return await Journal(nc, "site-failback").open() is not None
+
+
 def test_site_failover_and_failback_keep_every_acked_message_once(
     sites: lab.LabState, topology: Path, tmp_path: Path, spark: Any
 ) -> None:
@@ -318,7 +327,16 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         nyc.start()
         sites.save()
         wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
-        fb = json.loads(ferry("site", "failback", "--to", "nyc", "--json", topology=topology, check=True).stdout)
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        args = ["site", "failback", "--to", "nyc", "--json"]
+        first = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: asyncio.run(_failback_held(topo)) or first.poll() is not None, 60, "the failback's lock")
+        second = ferry(*args, topology=topology)  # while the first runs: refused, nothing copied twice
+        assert second.returncode != 0 and "a failback to nyc is already running" in second.stderr, second.stderr
+        out, errs = first.communicate(timeout=300)
+        assert first.returncode == 0, errs[-2000:]
+        assert not asyncio.run(_failback_held(topo))  # released
+        fb = json.loads(out)
         cyc = fb["streams"]["CYC"]
         # a message nyc stored but could not ack before it died counts too
         assert cyc["rpo"] == cyc["recovered"] >= at_nyc - replicated > 0, cyc

@@ -37,7 +37,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -911,22 +911,55 @@ async def failback(
 
     Run it once clients write to TO again (or not at all): what the old primary stores after its
     stream was read here is not copied."""
-    record = None
+    record, primary = await _failed_over_from(topo, to)
+    if not await _reachable(topo, to):
+        raise FerryError(f"site {to} is not reachable; fail back once it is up")
+    if dry_run:
+        return {"dry_run": True, "primary": primary, "to": to, "streams": sorted(record["failover"]["replicated"])}
+    async with _one_failback(topo, to):
+        record, primary = await _failed_over_from(topo, to)  # again: a failback that just ended changed it
+        return await _failback(topo, to, spark_factory, emit, record, primary)
+
+
+async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any], str]:
+    """The site record of the site that took over from TO, and that site."""
     for _, name, cluster in topo.clusters():
         if isinstance(cluster, NatsCluster) and name != to and await _reachable(topo, name):
             got = await _site_record(topo, name)
             if got and got.get("primary") == name and (got.get("failover") or {}).get("from") == to:
-                record, primary = got, name
-                break
-    if record is None:
-        raise NotFound(f"no site failed over from {to} (nothing to fail back)")
-    if not await _reachable(topo, to):
-        raise FerryError(f"site {to} is not reachable; fail back once it is up")
+                return got, name
+    raise NotFound(f"no site failed over from {to} (nothing to fail back)")
+
+
+@contextlib.asynccontextmanager
+async def _one_failback(topo: Topology, to: str) -> AsyncIterator[None]:
+    """Hold ``site-failback`` in TO's journal while a failback to it runs: a second one is refused
+    (two at once each count and copy the whole difference, kept single only by the duplicate window)."""
+    async with _journal(topo, to, "site-failback") as j:
+        held = await j.open()
+        if held and j.owner_alive(held):
+            o = held["owner"]
+            raise Conflict(f"a failback to {to} is already running (ferry pid {o['pid']} on {o['host']})")
+        try:
+            await j.save(state="running")  # compare-and-set: of two starting at once, one stops here
+        except Conflict:
+            raise Conflict(f"a failback to {to} is already running") from None
+        lease = _Lease(j, 2.0)
+        beat = asyncio.create_task(lease.beat())
+        try:
+            yield
+        finally:
+            beat.cancel()
+            with contextlib.suppress(Exception):
+                await j.delete()
+
+
+async def _failback(
+    topo: Topology, to: str, spark_factory: Callable[[], Any], emit: Emit, record: dict[str, Any], primary: str
+) -> dict[str, Any]:
     fo = record["failover"]
     back, forth = Replication(primary, to, fo["streams"]), Replication(to, primary, fo["streams"])
     streams = sorted(fo["replicated"])
-    if dry_run:
-        return {"dry_run": True, "primary": primary, "to": to, "streams": streams}
     with contextlib.suppress(NotFound):
         await stop(topo, primary, to, wait=10.0, force=True)  # a reverse replication, if one ran
     await _ensure_streams(topo, back, streams)
