@@ -1530,7 +1530,10 @@ def replicate_start(
         return
     pairs = ", ".join(f"{a} -> {b}" for a, b in result.get("dest_streams", {}).items())
     verb = "would relay" if dry_run else "already running:" if result.get("already") else "defined:"
-    out.print(f"{source} -> {to} {verb} {pairs}")
+    prefix = f", subjects prefixed with {subject_prefix!r}" if subject_prefix else ""
+    out.print(
+        f"{source} -> {to} {verb} {pairs}{prefix}" + (" (already running so)" if dry_run and result["already"] else "")
+    )
     if result.get("created"):
         out.print(f"created at {to}: {', '.join(result['created'])}")
     if not dry_run:

@@ -171,6 +171,13 @@ def test_status_tells_a_started_replication_from_a_running_relay(topology: Path,
     """`start` only defines: no relay runs until `ferry replicate run`, and after `stop` none does."""
     topo = load_topology(topology)
     define(topology, "STAT")
+    start = ("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "STAT", "--dry-run")
+    same = json.loads(ferry(*start, "--json", topology=topology, check=True).stdout)
+    assert same["already"] and same["dest_streams"] == {"STAT": "STAT"}, same
+    other = ferry(*start, "--stream-name", "X_{stream}", topology=topology)  # refused as the real one is
+    assert other.returncode != 0 and "already running with other settings" in other.stderr, other.stderr
+    prefix = ferry(*start, "--subject-prefix", "bad prefix.", topology=topology)
+    assert prefix.returncode != 0 and "'bad prefix.' makes no valid subject" in prefix.stderr, prefix.stderr
     row = replication(topology)
     assert row["desired"] == "running" and row["leader"] is None, row  # the journal's fields stay
     assert row.get("live") is False and row.get("relay") == "none", row

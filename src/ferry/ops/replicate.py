@@ -50,6 +50,7 @@ from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
 from ferry.pipeline.spark import spark_error
 from ferry.publish import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
+from ferry.subjects import problem, stream_name_problem
 from ferry.topology import NatsCluster, Topology
 
 __all__ = ["Relay", "Replication", "failback", "failover", "start", "status", "stop"]
@@ -122,6 +123,10 @@ def _check(topo: Topology, rep: Replication) -> None:
         ok = False
     if not ok:
         raise UsageError("--stream-name must contain {stream} and no other {...}")
+    if why := stream_name_problem(rep.stream_name.format(stream="S")):
+        raise UsageError(f"--stream-name {rep.stream_name!r}: {why}")
+    if rep.subject_prefix and (why := problem(rep.subject_prefix + "x", literal=True)):
+        raise UsageError(f"--subject-prefix {rep.subject_prefix!r} makes no valid subject: {why}")
 
 
 def replicable(names: list[str], glob: str) -> list[str]:
@@ -390,15 +395,16 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
     _check(topo, rep)
     streams = await _streams(_cluster(topo, rep.source), rep.streams, rep.source)
     dest_streams = {s: rep.dest_stream(s) for s in streams}
-    if dry_run:
-        return {"dry_run": True, **asdict(rep), "dest_streams": dest_streams}
     async with _journal(topo, rep.dest, rep.key) as j:
         state = await j.open()
-        if state and state.get("desired") == "running":
-            if Replication.from_state(state) != rep:
-                raise Conflict(
-                    f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
-                )
+        running = bool(state and state.get("desired") == "running")
+        if running and Replication.from_state(state) != rep:
+            raise Conflict(
+                f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
+            )
+        if dry_run:
+            return {"dry_run": True, **asdict(rep), "dest_streams": dest_streams, "already": running}
+        if running:
             created = (await _ensure_streams(topo, rep, streams))[0]
             return {**state, "dest_streams": dest_streams, "created": created, "already": True}
         if state and j.owner_alive(state):
