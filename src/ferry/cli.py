@@ -550,6 +550,10 @@ def _print_event(event: str, **data: Any) -> None:
             f"{data['outcome']}: {data['stream']} now in {data.get('cluster')} on {', '.join(data.get('peers', []))} "
             f"in {data.get('took_s', 0):.2f}s"
         )
+        if "leaderless_s" in data:  # a resumed move's journal may predate unanswered_s
+            line += (
+                f"; leaderless {data['leaderless_s']:.2f}s, stream info unanswered {data.get('unanswered_s', 0):.2f}s"
+            )
     else:
         line = _event_line(event, {k: v for k, v in data.items() if k != "stream"})
     # the plan and the outcome are the command's result (stdout); the rest is progress (stderr)

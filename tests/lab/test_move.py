@@ -372,6 +372,32 @@ def test_timeout_cancels_and_leaves_stream_healthy_where_it_was(
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 6, t
 
 
+def test_a_move_left_by_a_second_ctrl_c_is_cancelled_by_its_rerun(supercluster: lab.LabState) -> None:
+    """Ctrl-C asks for a cancel, journaled first; a second Ctrl-C exits at once. The same command
+    run again carries the cancel out (or finds it done) instead of blaming someone else."""
+    topology = topology_of(supercluster)
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_C", ["move_c.>"], placement="east"))
+    fill_big(topo, "MOVE_C")
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = [*FERRY, "move", "MOVE_C", "--to", "west", "--json"]
+    first = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert first.stderr is not None
+    for line in first.stderr:
+        if '"event": "placement"' in line:
+            first.send_signal(signal.SIGINT)
+        if '"event": "cancelling"' in line:
+            first.send_signal(signal.SIGINT)
+            break
+    assert first.wait(timeout=30) == 130
+    assert "run the same command again" in first.stderr.read()
+    code, result, events = move(topology, "MOVE_C", "--to", "west")
+    assert code == 1 and result["outcome"] == "cancelled" and result["verify"]["ok"], result
+    assert not any("someone else" in str(e.get("by")) for e in events), events
+    cluster, peers = where(topology, "MOVE_C")
+    assert cluster == "east" and all(p.startswith("east-") for p in peers), peers
+
+
 def test_an_interrupt_before_the_placement_update_leaves_the_placement_alone(supercluster: lab.LabState) -> None:
     """Ctrl-C during the preflight or the guard's start: the move ends cancelled without ever
     asking for the new placement (there is then nothing for the server to cancel)."""

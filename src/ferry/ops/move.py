@@ -821,6 +821,11 @@ class StopOnSignal:
 
     def _on_signal(self) -> None:
         if self.event.is_set():
+            os.write(
+                2,
+                b"stopped at once: the move is on record; run the same command again to finish it (a cancel "
+                b"asked for is carried out then)\n",
+            )
             os._exit(130)
         self.event.set()
 
@@ -963,7 +968,8 @@ async def _watch(
     deadline = t0 + req.timeout
     leader = None
     changes: list[dict[str, Any]] = []
-    leaderless = 0.0
+    leaderless = unanswered = 0.0
+    asked = st.get("cancel")  # a cancel a run before this one asked for (Ctrl-C, timeout)
     last_poll = time.monotonic()
     last_emit = last_beat = 0.0
     cancelled_at: float | None = None
@@ -981,7 +987,9 @@ async def _watch(
             info = None
         dt, last_poll = now - last_poll, now
         new_leader = ((info or {}).get("cluster") or {}).get("leader")
-        if not new_leader:
+        if info is None:  # a leader busy catching up new peers answers late: not the same as none
+            unanswered += dt
+        elif not new_leader:
             leaderless += dt
         if new_leader and new_leader != leader:
             if leader is not None:
@@ -992,7 +1000,7 @@ async def _watch(
             placement = info["config"].get("placement") or {}
             if cancelled_at is None and not same_placement(placement, st["placement"]):
                 cancelled_at = now
-                emit("cancelled", by="someone else (placement changed back)")
+                emit("cancelled", by=f"the run before ({asked})" if asked else "someone else (placement changed back)")
             if cancelled_at is None and _in(info, dest):
                 outcome = "moved"
                 break
@@ -1025,9 +1033,12 @@ async def _watch(
                     peers=peers(info),
                     last_seq=info["state"]["last_seq"],
                 )
-        if cancelled_at is None and (now > deadline or (stop and stop.is_set())) and now >= cancel_again_at:
+        interrupted = stop is not None and stop.is_set()
+        if cancelled_at is None and (now > deadline or interrupted or asked) and now >= cancel_again_at:
             if not cancel_again_at:
-                emit("cancelling", reason="timeout" if now > deadline else "interrupted")
+                reason = "timeout" if now > deadline else "interrupted" if interrupted else f"asked before: {asked}"
+                await journal.save(cancel=asked or reason)  # first: a rerun carries it out if this run cannot
+                emit("cancelling", reason=reason)
             try:
                 await _cancel_request(sysnc, st["account"], req.stream)
                 cancelled_at = now
@@ -1056,6 +1067,7 @@ async def _watch(
         "leader_changes": changes,
         "handoff": handoff,
         "leaderless_s": round(leaderless, 3),
+        "unanswered_s": round(unanswered, 3),
         "moved_in_s": round(now - t0, 3),
     }
 
