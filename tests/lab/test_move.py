@@ -487,6 +487,7 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     finish(load)
     assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
     assert any(e["event"] == "resume" for e in events)
+    assert 0 < result["unguarded_s"] < 60 and any(e["event"] == "unguarded" for e in events), result  # the kill's gap
     assert where(topology, "MOVE_K")[0] == "west"
     t = judge(
         spark, topology, tmp_path / "ledger", "jetstream://west/MOVE_K?subject=move_k.core.>", tmp_path / "a.html"

@@ -910,6 +910,15 @@ async def move(
                 "guard", subjects=[], note="the stream has no subjects of its own (mirror/sourced): nothing to capture"
             )
         result: dict[str, Any] = {"stream": req.stream, "move_id": st["move_id"], "from": st["from"], "to": st["to"]}
+        if resuming and guard and prior and prior.get("heartbeat"):
+            # the run before listened until about its last heartbeat; this one from now on
+            result["unguarded_s"] = gap = round(max(0.0, time.time() - float(prior["heartbeat"])), 1)
+            emit(
+                "unguarded",
+                seconds=gap,
+                note=f"no guard listened for about {gap:.1f}s before this run: core (fire-and-forget) publishes "
+                "then are not covered (JetStream publishes with retries are)",
+            )
         try:
             # journaled once the guard listens (a guard refused leaves nothing behind); a resume claims
             # the journal here, before it acts (compare-and-set: of two reruns at once, one stops)
