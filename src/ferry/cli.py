@@ -1694,7 +1694,7 @@ def site_failback(
         return
     table = Table("stream", "RPO (acked, never relayed)", f"recovered to {report['primary_was']}", f"brought to {to}")
     for s, r in report["streams"].items():
-        before = r["rpo"] - r["recovered"]  # an earlier, interrupted failback's
+        before = r["rpo"] - r["recovered"]  # at the primary before this run (an interrupted one's copies)
         recovered = f"{r['recovered']:,}" + (f" (+{before:,} already there)" if before > 0 else "")
         table.add_row(s, f"{r['rpo']:,}", recovered, f"{r['brought']:,}")
     out.print(table)

@@ -823,8 +823,8 @@ class StopOnSignal:
         if self.event.is_set():
             os.write(
                 2,
-                b"stopped at once: the move is on record; run the same command again to finish it (a cancel "
-                b"asked for is carried out then)\n",
+                b"stopped at once: a move that had begun is on record; run the same command again to finish it "
+                b"(a cancel journaled is carried out then)\n",
             )
             os._exit(130)
         self.event.set()
@@ -1046,7 +1046,10 @@ async def _watch(
         if cancelled_at is None and (now > deadline or interrupted or asked) and now >= cancel_again_at:
             if not cancel_again_at:
                 reason = "timeout" if now > deadline else "interrupted" if interrupted else f"asked before: {asked}"
-                await journal.save(cancel=asked or reason)  # first: a rerun carries it out if this run cannot
+                try:  # journaled first: a rerun carries the cancel out if this run cannot
+                    await journal.save(cancel=asked or reason)
+                except Exception as exc:  # but the cancel does not wait on the journal's health
+                    emit("warning", note=f"the cancel is not journaled ({exc}); asking for it all the same")
                 emit("cancelling", reason=reason)
             try:
                 await _cancel_request(sysnc, st["account"], req.stream)

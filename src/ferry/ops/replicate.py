@@ -44,7 +44,7 @@ from typing import Any
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError, redact
-from ferry.ops.journal import Journal, owner_alive, process_start
+from ferry.ops.journal import BUCKET, Journal, owner_alive, process_start
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
@@ -395,16 +395,16 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
     _check(topo, rep)
     streams = await _streams(_cluster(topo, rep.source), rep.streams, rep.source)
     dest_streams = {s: rep.dest_stream(s) for s in streams}
+    if dry_run:  # read without creating the journal's bucket
+        return {
+            "dry_run": True,
+            **asdict(rep),
+            "dest_streams": dest_streams,
+            "already": _running(await _peek(topo, rep), rep),
+        }
     async with _journal(topo, rep.dest, rep.key) as j:
         state = await j.open()
-        running = bool(state and state.get("desired") == "running")
-        if running and Replication.from_state(state) != rep:
-            raise Conflict(
-                f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first"
-            )
-        if dry_run:
-            return {"dry_run": True, **asdict(rep), "dest_streams": dest_streams, "already": running}
-        if running:
+        if _running(state, rep):
             created = (await _ensure_streams(topo, rep, streams))[0]
             return {**state, "dest_streams": dest_streams, "created": created, "already": True}
         if state and j.owner_alive(state):
@@ -419,6 +419,27 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
         j.state = new
         await j.save(release=True)
     return {**new, "dest_streams": dest_streams, "created": created}
+
+
+def _running(state: dict[str, Any] | None, rep: Replication) -> bool:
+    """Whether `state` is `rep` started; raises if another replication between its sites is."""
+    if not state or state.get("desired") != "running":
+        return False
+    if Replication.from_state(state) != rep:
+        raise Conflict(f"replication {rep.source} -> {rep.dest} is already running with other settings; stop it first")
+    return True
+
+
+async def _peek(topo: Topology, rep: Replication) -> dict[str, Any] | None:
+    """`rep`'s journal state at its destination, read without creating the bucket."""
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+
+    async with _session(topo, rep.dest) as nc:
+        try:
+            entry = await (await nc.jetstream().key_value(BUCKET)).get(rep.key)
+        except (BucketNotFoundError, KeyNotFoundError):
+            return None
+    return json.loads(entry.value) if entry.value else None
 
 
 async def stop(topo: Topology, source: str, dest: str, wait: float = 30.0, force: bool = False) -> dict[str, Any]:
@@ -922,9 +943,9 @@ async def failback(
         raise FerryError(f"site {to} is not reachable; fail back once it is up")
     if dry_run:
         return {"dry_run": True, "primary": primary, "to": to, "streams": sorted(record["failover"]["replicated"])}
-    async with _one_failback(topo, to):
+    async with _one_failback(topo, to) as lease:
         record, primary = await _failed_over_from(topo, to)  # again: a failback that just ended changed it
-        return await _failback(topo, to, spark_factory, emit, record, primary)
+        return await _failback(topo, to, spark_factory, emit, record, primary, lease)
 
 
 async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any], str]:
@@ -938,7 +959,7 @@ async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any], st
 
 
 @contextlib.asynccontextmanager
-async def _one_failback(topo: Topology, to: str) -> AsyncIterator[None]:
+async def _one_failback(topo: Topology, to: str) -> AsyncIterator[_Lease]:
     """Hold ``site-failback`` in TO's journal while a failback to it runs: a second one is refused
     (two at once each count and copy the whole difference, kept single only by the duplicate window)."""
     async with _journal(topo, to, "site-failback") as j:
@@ -953,15 +974,22 @@ async def _one_failback(topo: Topology, to: str) -> AsyncIterator[None]:
         lease = _Lease(j, 2.0)
         beat = asyncio.create_task(lease.beat())
         try:
-            yield
+            yield lease
         finally:
             beat.cancel()
-            with contextlib.suppress(Exception):
-                await j.delete()
+            if not lease.lost.is_set():  # else it may be another failback's now
+                with contextlib.suppress(Exception):
+                    await j.delete()
 
 
 async def _failback(
-    topo: Topology, to: str, spark_factory: Callable[[], Any], emit: Emit, record: dict[str, Any], primary: str
+    topo: Topology,
+    to: str,
+    spark_factory: Callable[[], Any],
+    emit: Emit,
+    record: dict[str, Any],
+    primary: str,
+    lease: _Lease,
 ) -> dict[str, Any]:
     fo = record["failover"]
     back, forth = Replication(primary, to, fo["streams"]), Replication(to, primary, fo["streams"])
@@ -972,6 +1000,8 @@ async def _failback(
     spark = await asyncio.to_thread(spark_factory)
     report: dict[str, Any] = {"primary_was": primary, "to": to, "streams": {}}
     for s in streams:
+        if lease.lost.is_set():  # its key unsaved too long: another failback may have begun
+            raise Conflict(f"the failback to {to} lost its hold on {to}'s journal (no answer); run it again")
         # what TO acked but never relayed before it failed (the RPO), then what was written at `primary`
         rpo = await asyncio.to_thread(_count_after, spark, topo, forth, s, int(fo["replicated"][s]))
         sent_forth = await asyncio.to_thread(_send_missing, spark, topo, forth, s)
