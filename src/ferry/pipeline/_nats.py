@@ -267,6 +267,9 @@ class Wire:
             except (OSError, TimeoutError, BrokerUnavailable, ValueError):
                 await asyncio.sleep(0.25 if self._server % len(self.urls) == 0 else 0)
                 continue
+            if self._closed:  # closed during the handshake: Python 3.11's wait_for can swallow the cancel
+                writer.close()
+                return
             self._writer = writer
             for sub in self._subs.values():  # again after a reconnect
                 self._write(b"SUB %s %d\r\n" % (sub.subject.encode(), sub.sid))
