@@ -28,8 +28,8 @@ from ferry.errors import Conflict
 BUCKET = "ferry_ops"
 
 
-async def bucket(nc: Client, replicas: int) -> Any:
-    """The ``ferry_ops`` KV bucket, created on first use."""
+async def bucket(nc: Client, replicas: int, create: bool = True) -> Any:
+    """The ``ferry_ops`` KV bucket, created on first use (without `create`, None while there is none)."""
     from nats.js.api import KeyValueConfig
     from nats.js.errors import BucketNotFoundError
 
@@ -37,6 +37,8 @@ async def bucket(nc: Client, replicas: int) -> Any:
     try:
         return await js.key_value(BUCKET)
     except BucketNotFoundError:
+        if not create:
+            return None
         return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=5, replicas=replicas))
 
 
@@ -106,10 +108,11 @@ class Journal(_Owned):
         self.state: dict[str, Any] = {}
         self._background: asyncio.Future[None] | None = None
 
-    async def open(self) -> dict[str, Any] | None:
-        """Open the bucket (a key of '' opens only that); the key's current state, or None."""
-        self.kv = await bucket(self.nc, self.replicas)
-        entry = await self._entry(self.key) if self.key else None
+    async def open(self, create: bool = True) -> dict[str, Any] | None:
+        """Open the bucket (a key of '' opens only that); the key's current state, or None. Without
+        `create`, a bucket not made yet is not made (a dry run's read): no state."""
+        self.kv = await bucket(self.nc, self.replicas, create)
+        entry = await self._entry(self.key) if self.key and self.kv else None
         if not entry or not entry.value:
             return None
         self.revision = entry.revision

@@ -44,7 +44,7 @@ from typing import Any
 
 from ferry.brokers import nats as bnats
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, UsageError, redact
-from ferry.ops.journal import BUCKET, Journal, owner_alive, process_start
+from ferry.ops.journal import Journal, owner_alive, process_start
 from ferry.ops.move import paged
 from ferry.pipeline import jetstream as js
 from ferry.pipeline._common import COUNTS_DDL
@@ -432,14 +432,8 @@ def _running(state: dict[str, Any] | None, rep: Replication) -> bool:
 
 async def _peek(topo: Topology, rep: Replication) -> dict[str, Any] | None:
     """`rep`'s journal state at its destination, read without creating the bucket."""
-    from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-
     async with _session(topo, rep.dest) as nc:
-        try:
-            entry = await (await nc.jetstream().key_value(BUCKET)).get(rep.key)
-        except (BucketNotFoundError, KeyNotFoundError):
-            return None
-    return json.loads(entry.value) if entry.value else None
+        return await Journal(nc, rep.key).open(create=False)
 
 
 async def stop(topo: Topology, source: str, dest: str, wait: float = 30.0, force: bool = False) -> dict[str, Any]:
