@@ -569,17 +569,26 @@ class Reader:
 async def read_ahead(
     lists: AsyncIterator[list[tuple[Any, int, int]]], depth: int = 2
 ) -> AsyncIterator[list[tuple[Any, int, int]]]:
-    """`lists` pulled up to `depth` lists ahead by a task of their own."""
+    """`lists` pulled up to `depth` lists ahead by a task of their own.
+
+    Closing it stops that task by a cancel, and by a flag the task reads before each put: a cancel
+    can be swallowed (Python 3.11's ``wait_for`` returns a result that came with it, as in a
+    reader's connect), and the task then went on into a full queue that no one read."""
     queue: asyncio.Queue[Any] = asyncio.Queue(depth)
     end = object()
+    closing = False
 
     async def pull() -> None:
         try:
             async for got in lists:
+                if closing:
+                    return
                 await queue.put(got)
-            await queue.put(end)
+            if not closing:
+                await queue.put(end)
         except Exception as exc:
-            await queue.put(exc)
+            if not closing:
+                await queue.put(exc)
         finally:
             await lists.aclose()  # type: ignore[attr-defined]
 
@@ -590,9 +599,9 @@ async def read_ahead(
                 raise got
             yield got
     finally:
+        closing = True
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task})  # not `await task`, whose CancelledError hides a cancel of this caller
 
 
 async def read_range(cfg: ReadConfig, part: Range) -> AsyncIterator[pa.RecordBatch]:
