@@ -984,6 +984,13 @@ def load_cmd(
             "RabbitMQ producers reconnect and re-send what was not confirmed."
         ),
     ] = None,
+    give_up_after: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a message may go unacked (re-sent meanwhile) before it counts as an error; "
+            "the run may last this long past --duration when a broker stops answering."
+        ),
+    ] = 60.0,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -1011,6 +1018,7 @@ def load_cmd(
         confirms=confirms,
         exchange=exchange,
         url=url,
+        give_up_after=give_up_after,
     )
 
     def progress(summary: Any, inflight: int) -> None:

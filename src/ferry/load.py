@@ -101,6 +101,8 @@ class LoadOptions:
             raise UsageError("--rate must be positive")
         if self.duration is not None and self.duration <= 0:
             raise UsageError("--duration must be positive")
+        if self.give_up_after <= 0:
+            raise UsageError("--give-up-after must be positive")
         if "{n}" not in self.subject and self.subjects > 1:
             raise UsageError("--subject must contain {n} when --subjects > 1")
 

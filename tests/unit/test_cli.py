@@ -33,7 +33,8 @@ def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: st
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("--rate", "-5"), ("--duration", "-5"), ("--producers", "0"), ("--size", "8")]
+    ("option", "value"),
+    [("--rate", "-5"), ("--duration", "-5"), ("--producers", "0"), ("--size", "8"), ("--give-up-after", "0")],
 )
 def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, option: str, value: str) -> None:
     topo = tmp_path / "t.yaml"
