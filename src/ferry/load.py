@@ -471,7 +471,8 @@ class _RabbitSender(_Sender):
             self.space.clear()
             await self.conn.drain()
             try:
-                await asyncio.wait_for(self.space.wait(), self.opts.give_up_after)
+                async with asyncio.timeout(self.opts.give_up_after):
+                    await self.space.wait()
             except TimeoutError:
                 break
 

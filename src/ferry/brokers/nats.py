@@ -85,7 +85,8 @@ async def connect(
     if creds:
         kwargs["user"], kwargs["password"] = creds.user, creds.password()
     try:
-        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        async with asyncio.timeout(timeout):
+            nc = await nats.connect(**kwargs)
         _DENIED[nc] = denied
         return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:

@@ -138,7 +138,8 @@ async def amqp_connect(
     }
     connect = aio_pika.connect_robust if robust else aio_pika.connect
     try:
-        return await asyncio.wait_for(connect(**kwargs), timeout + 1)
+        async with asyncio.timeout(timeout + 1):
+            return await connect(**kwargs)
     except aiormq.exceptions.ProbableAuthenticationError:
         raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
     except aiormq.exceptions.InvalidFrameError as exc:

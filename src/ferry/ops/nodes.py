@@ -640,7 +640,8 @@ class RabbitNodes(_Nodes):
                 stderr=subprocess.PIPE,
             )
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.CLI_TIMEOUT)
+                async with asyncio.timeout(self.CLI_TIMEOUT):
+                    out, err = await proc.communicate()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

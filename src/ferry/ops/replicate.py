@@ -715,7 +715,8 @@ class Relay:
                 if self.metrics:
                     self.metrics.update(rep, j.state["progress"])
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lease.stop_requested.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await lease.stop_requested.wait()
             self.emit("lost", owner=(await j.open() or {}).get("owner"))
             return "lost"
         finally:

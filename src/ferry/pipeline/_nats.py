@@ -223,7 +223,8 @@ class Wire:
         pong = asyncio.get_running_loop().create_future()
         self._pongs.append(pong)
         self._write(b"PING\r\n")
-        await asyncio.wait_for(pong, timeout)
+        async with asyncio.timeout(timeout):
+            await pong
 
     async def close(self) -> None:
         self._closed = True
@@ -243,7 +244,8 @@ class Wire:
         first = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(first))
         try:
-            await asyncio.wait_for(asyncio.shield(first), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(first)
         except TimeoutError:
             await self.close()
             raise BrokerUnavailable(
@@ -259,7 +261,8 @@ class Wire:
             url = self.urls[self._server % len(self.urls)]
             self._server += 1
             try:
-                reader, writer = await asyncio.wait_for(self._handshake(url), 2.0)
+                async with asyncio.timeout(2.0):
+                    reader, writer = await self._handshake(url)
             except (AuthError, ConfigError) as exc:
                 if not first.done():
                     first.set_exception(exc)
@@ -267,9 +270,6 @@ class Wire:
             except (OSError, TimeoutError, BrokerUnavailable, ValueError):
                 await asyncio.sleep(0.25 if self._server % len(self.urls) == 0 else 0)
                 continue
-            if self._closed:  # closed during the handshake: Python 3.11's wait_for can swallow the cancel
-                writer.close()
-                return
             self._writer = writer
             for sub in self._subs.values():  # again after a reconnect
                 self._write(b"SUB %s %d\r\n" % (sub.subject.encode(), sub.sid))

@@ -271,7 +271,8 @@ class _RabbitSink(_Sink):
             if self.conn.closed:
                 raise BrokerUnavailable(f"publishing to {self.spec.get('queue') or self.exchange}: {self.conn.closed}")
             try:
-                await asyncio.wait_for(self.space.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.space.wait()
             except TimeoutError:
                 raise BrokerUnavailable(f"no publisher confirm within {timeout:.0f}s") from None
 
@@ -462,7 +463,8 @@ async def move_queue(task: MoveTask) -> MoveResult:
                     raise FerryError(f"moving {source}: {sink.error}")
                 if inbox.empty():
                     try:
-                        d = await asyncio.wait_for(inbox.get(), task.idle)
+                        async with asyncio.timeout(task.idle):
+                            d = await inbox.get()
                     except TimeoutError:
                         await sink.flush()
                         ack_confirmed()
@@ -532,7 +534,8 @@ async def snapshot_queue(
                     granted += min(per_channel, total - granted)
                     await stack.enter_async_context(_Consumer(await channel.get_queue(queue, ensure=False), inbox))
                 try:
-                    m = await asyncio.wait_for(inbox.get(), idle)
+                    async with asyncio.timeout(idle):
+                        m = await inbox.get()
                 except TimeoutError:
                     break  # fewer than counted: consumed by someone else meanwhile
                 builder.add(*message_row(m, source, index))
