@@ -1697,10 +1697,36 @@ def site_failback(
     if as_json:
         print_json(report)
         return
-    if dry_run:
-        out.print(f"would reconcile {', '.join(report['streams'])} between {report['primary']} and {to}")
+    if report.get("already"):
+        fb = report["failback"]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(fb["at"]))
+        out.print(f"{to} is primary already (failed back from {fb['from']} at {when}): nothing to fail back")
         return
-    table = Table("stream", "RPO (acked, never relayed)", f"recovered to {report['primary_was']}", f"brought to {to}")
+    primary = report["primary"] if dry_run else report["primary_was"]
+    if dry_run:
+        table = Table(
+            "stream",
+            f"{to}'s relayed to {primary} at failover",
+            f"{to}'s last seq",
+            f"at most to recover to {primary}",
+            f"{primary} holds",
+        )
+        for s, r in report["streams"].items():
+            last, held = r["last_seq"], r["primary_messages"]
+            table.add_row(
+                s,
+                f"{r['replicated']:,}",
+                "missing" if last is None else f"{last:,}",
+                f"{r['at_most_to_recover']:,}",
+                "missing" if held is None else f"{held:,}",
+            )
+        out.print(table)
+        out.print(
+            f"would: stop {primary} -> {to} if it runs; copy to {primary} what {to} acked but never relayed; "
+            f"bring to {to} what {primary} holds and {to} lacks; define {to} -> {primary} again; make {to} primary"
+        )
+        return
+    table = Table("stream", "RPO (acked, never relayed)", f"recovered to {primary}", f"brought to {to}")
     for s, r in report["streams"].items():
         before = r["rpo"] - r["recovered"]  # at the primary before this run (an interrupted one's copies)
         recovered = f"{r['recovered']:,}" + (f" (+{before:,} already there)" if before > 0 else "")

@@ -208,6 +208,11 @@ def test_status_tells_a_started_replication_from_a_running_relay(topology: Path,
         assert stream["rate"] is None and stream["last_rate"] is not None, row  # no live rate, the last one labelled
         assert row["progress_age_s"] is not None and row["heartbeat_age_s"] is None, row
         assert (stream["lag"], stream["lag_at"]) == (0, "now"), row
+        again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology, timeout=60)
+        assert (
+            again.returncode == 0
+            and "`ferry replicate start --from nyc --to sfo --streams STAT` starts it again" in again.stderr
+        ), again.stderr
         more = finished(load(topology, "nyc", "stat.{n}", tmp_path / "ledger2", 500, 2))["acked"]
         stream = replication(topology)["progress"]["STAT"]  # nothing relays them: the backlog grows
         assert (stream["lag"], stream["lag_at"]) == (more, "now") and stream["lag_s"] > 0, stream
@@ -336,6 +341,9 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
         env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
         args = ["site", "failback", "--to", "nyc", "--json"]
+        plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["streams"]["CYC"]
+        assert plan["replicated"] == replicated and plan["at_most_to_recover"] >= at_nyc - replicated, plan
+        assert plan["primary_messages"] == replicated + at_sfo, plan
         first = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: asyncio.run(_failback_held(topo)) or first.poll() is not None, 60, "the failback's lock")
         second = ferry(*args, topology=topology)  # while the first runs: refused, nothing copied twice
@@ -349,6 +357,8 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         assert cyc["rpo"] == cyc["recovered"] >= at_nyc - replicated > 0, cyc
         assert cyc["brought"] == at_sfo, cyc
         assert "no relay running" in fb["replication"] and "(running)" not in fb["replication"], fb
+        rerun = json.loads(ferry(*args, topology=topology, check=True).stdout)  # done: nothing to do, exit 0
+        assert rerun["already"] and rerun["failback"]["from"] == "sfo", rerun
 
         ledgers = [tmp_path / "ledger-nyc", tmp_path / "ledger-sfo"]
         got = judge(spark, topology, ledgers, "jetstream://nyc/CYC", tmp_path / "audit.html")

@@ -28,6 +28,9 @@ def test_mapping_and_key() -> None:
     assert rep.key == "relay.nyc.sfo" and rep.dest_stream("ORDERS") == "NYC_ORDERS" and rep.mapped
     assert not Replication("nyc", "sfo").mapped
     assert Replication.from_state({**rep.__dict__, "desired": "running", "owner": None}) == rep
+    options = "--streams 'ORD*' --subject-prefix nyc. --stream-name 'NYC_{stream}'"
+    assert rep.start_command() == f"ferry replicate start --from nyc --to sfo {options}"
+    assert Replication("nyc", "sfo").start_command() == "ferry replicate start --from nyc --to sfo"
 
 
 @pytest.mark.parametrize("name", ["X", "{streams}"])

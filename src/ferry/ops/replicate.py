@@ -34,6 +34,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -98,6 +99,18 @@ class Replication:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Replication:
         return cls(**{k: state[k] for k in ("source", "dest", "streams", "subject_prefix", "stream_name")})
+
+    def start_command(self) -> str:
+        """The ``ferry replicate start`` that defines this replication (its options other than the defaults)."""
+        words = ["ferry", "replicate", "start", "--from", self.source, "--to", self.dest]
+        for option, value, default in (
+            ("--streams", self.streams, "*"),
+            ("--subject-prefix", self.subject_prefix, ""),
+            ("--stream-name", self.stream_name, "{stream}"),
+        ):
+            if value != default:
+                words += [option, value]
+        return shlex.join(words)
 
 
 def _cluster(topo: Topology, site: str) -> NatsCluster:
@@ -623,8 +636,13 @@ class Relay:
     async def run(self) -> dict[str, Any]:
         key = Replication(self.source, self.dest).key
         async with _journal(self.topo, self.dest, key, stale_after=max(1.0, self.lease - 1.0)) as j:
-            if await j.open() is None:
+            state = await j.open()
+            if state is None:
                 raise NotFound(f"no replication {self.source} -> {self.dest}; define it with `ferry replicate start`")
+            if state.get("desired") != "running":  # stopped before this relay began: nothing to stand by for
+                rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
+                self.emit("stopped", state=state.get("state"), hint=f"`{rep.start_command()}` starts it again")
+                return state
             self.spark = await asyncio.to_thread(self.spark_factory)  # warm while standing by
             leader, backoff = None, 2.0
             while True:
@@ -933,14 +951,60 @@ async def failback(
 
     Run it once clients write to TO again (or not at all): what the old primary stores after its
     stream was read here is not copied."""
-    record, primary = await _failed_over_from(topo, to)
+    try:
+        record, primary = await _failed_over_from(topo, to)
+    except NotFound:
+        return await _failed_back(topo, to, dry_run)
     if not await _reachable(topo, to):
         raise FerryError(f"site {to} is not reachable; fail back once it is up")
     if dry_run:
-        return {"dry_run": True, "primary": primary, "to": to, "streams": sorted(record["failover"]["replicated"])}
+        return {
+            "dry_run": True,
+            "primary": primary,
+            "to": to,
+            "streams": await _failback_plan(topo, to, primary, record),
+        }
     async with _one_failback(topo, to) as lease:
-        record, primary = await _failed_over_from(topo, to)  # again: a failback that just ended changed it
+        try:
+            record, primary = await _failed_over_from(topo, to)  # again: a failback that just ended changed it
+        except NotFound:
+            return await _failed_back(topo, to, dry_run)
         return await _failback(topo, to, spark_factory, emit, record, primary, lease)
+
+
+async def _failed_back(topo: Topology, to: str, dry_run: bool) -> dict[str, Any]:
+    """When no site failed over from TO: TO's record of the failback that made it primary again
+    (a rerun has nothing to do), else NotFound."""
+    with contextlib.suppress(Exception):
+        record = await _site_record(topo, to) or {}
+        if record.get("primary") == to and record.get("failback"):
+            return {"already": True, "dry_run": dry_run, "primary": to, "failback": record["failback"]}
+    raise NotFound(f"no site failed over from {to} (nothing to fail back)")
+
+
+async def _failback_plan(topo: Topology, to: str, primary: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Per stream, what a failback would start from: how far TO's messages had reached `primary`
+    when it took over, TO's last sequence now (so at most the difference to recover), and what
+    `primary` holds (its writes since are brought to TO). Stream infos only: the counts are the
+    failback's own work."""
+    from nats.js.errors import NotFoundError
+
+    plan: dict[str, Any] = {}
+    last: dict[tuple[str, str], Any] = {}
+    for site in (to, primary):
+        async with _session(topo, site) as nc:
+            for s in record["failover"]["replicated"]:
+                with contextlib.suppress(NotFoundError):
+                    last[site, s] = (await nc.jsm().stream_info(s)).state
+    for s, replicated in sorted(record["failover"]["replicated"].items()):
+        here, there = last.get((to, s)), last.get((primary, s))
+        plan[s] = {
+            "replicated": int(replicated),
+            "last_seq": here.last_seq if here else None,
+            "at_most_to_recover": max(0, here.last_seq - int(replicated)) if here else 0,
+            "primary_messages": there.messages if there else None,
+        }
+    return plan
 
 
 async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any], str]:
