@@ -248,7 +248,7 @@ class Connection:
         except TimeoutError:
             await conn.close()
             raise BrokerUnavailable(f"{conn.name}: AMQP handshake timed out") from None
-        except FerryError:
+        except BaseException:  # refused, cancelled, the socket gone: no reader task or socket left behind
             await conn.close()
             raise
         conn._beat = asyncio.create_task(conn._heartbeats())

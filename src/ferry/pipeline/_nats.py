@@ -230,8 +230,7 @@ class Wire:
         self._closed = True
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task})  # not `await`: its CancelledError would hide a cancel of this caller
         if self._writer:
             with contextlib.suppress(Exception):
                 self._flush()
