@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -101,7 +102,7 @@ class LoadOptions:
             raise UsageError("--rate must be positive")
         if self.duration is not None and self.duration <= 0:
             raise UsageError("--duration must be positive")
-        if self.give_up_after <= 0:
+        if not 0 < self.give_up_after < math.inf:
             raise UsageError("--give-up-after must be positive")
         if "{n}" not in self.subject and self.subjects > 1:
             raise UsageError("--subject must contain {n} when --subjects > 1")
