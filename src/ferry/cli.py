@@ -583,7 +583,7 @@ def _event_line(event: str, data: dict[str, Any]) -> str:
 
 
 def _print_plain_event(event: str, **data: Any) -> None:
-    err.print(_event_line(event, data), highlight=False)
+    err.print(_event_line(event, data), highlight=False, markup=False)  # a glob's [a-z] is no markup
 
 
 def _peer(p: dict[str, Any]) -> str:
@@ -987,8 +987,8 @@ def load_cmd(
     give_up_after: Annotated[
         float,
         typer.Option(
-            help="Seconds a message may go unacked (re-sent meanwhile) before it counts as an error; "
-            "the run may last this long past --duration when a broker stops answering."
+            help="JetStream with --retry, RabbitMQ with --confirms: seconds a message may go unacked before "
+            "it counts as an error; the run may last this long past --duration when a broker stops answering."
         ),
     ] = 60.0,
     topology: TopologyOpt = None,
@@ -1708,7 +1708,7 @@ def site_failback(
             "stream",
             f"{to}'s relayed to {primary} at failover",
             f"{to}'s last seq",
-            f"at most to recover to {primary}",
+            f"{to}'s past that (recovered to {primary})",
             f"{primary} holds",
         )
         for s, r in report["streams"].items():
@@ -1717,7 +1717,7 @@ def site_failback(
                 s,
                 f"{r['replicated']:,}",
                 "missing" if last is None else f"{last:,}",
-                f"{r['at_most_to_recover']:,}",
+                f"{r['after_replicated']:,}",
                 "missing" if held is None else f"{held:,}",
             )
         out.print(table)

@@ -334,6 +334,8 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         assert fo["primary"] == "sfo" and 2000 < replicated < at_nyc and not fo["source_reachable"]
         relay.kill(signal.SIGCONT)  # the old relay wakes up fenced: it must stop, not relay
         assert relay.proc.wait(timeout=60) == 0
+        again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology, timeout=60)
+        assert again.returncode == 0 and "`ferry site failback --to nyc` once nyc is back" in again.stderr, again.stderr
         at_sfo = finished(load(topology, "sfo", "cyc.sfo.{n}", tmp_path / "ledger-sfo", 1000, 4))["acked"]
 
         nyc.start()
@@ -342,7 +344,7 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
         args = ["site", "failback", "--to", "nyc", "--json"]
         plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["streams"]["CYC"]
-        assert plan["replicated"] == replicated and plan["at_most_to_recover"] >= at_nyc - replicated, plan
+        assert plan["replicated"] == replicated and plan["after_replicated"] >= at_nyc - replicated, plan
         assert plan["primary_messages"] == replicated + at_sfo, plan
         first = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: asyncio.run(_failback_held(topo)) or first.poll() is not None, 60, "the failback's lock")

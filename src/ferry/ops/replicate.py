@@ -39,7 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +103,9 @@ class Replication:
     def start_command(self) -> str:
         """The ``ferry replicate start`` that defines this replication (its options other than the defaults)."""
         words = ["ferry", "replicate", "start", "--from", self.source, "--to", self.dest]
-        for option, value, default in (
-            ("--streams", self.streams, "*"),
-            ("--subject-prefix", self.subject_prefix, ""),
-            ("--stream-name", self.stream_name, "{stream}"),
-        ):
-            if value != default:
-                words += [option, value]
+        for f in fields(self)[2:]:  # streams, subject_prefix, stream_name: options of the same names
+            if getattr(self, f.name) != f.default:
+                words += ["--" + f.name.replace("_", "-"), getattr(self, f.name)]
         return shlex.join(words)
 
 
@@ -640,8 +636,7 @@ class Relay:
             if state is None:
                 raise NotFound(f"no replication {self.source} -> {self.dest}; define it with `ferry replicate start`")
             if state.get("desired") != "running":  # stopped before this relay began: nothing to stand by for
-                rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
-                self.emit("stopped", state=state.get("state"), hint=f"`{rep.start_command()}` starts it again")
+                self.emit("stopped", state=state.get("state"), hint=await self._restart_hint(state))
                 return state
             self.spark = await asyncio.to_thread(self.spark_factory)  # warm while standing by
             leader, backoff = None, 2.0
@@ -686,6 +681,17 @@ class Relay:
                     backoff = min(30.0, backoff * 2)
                 finally:
                     beat.cancel()
+
+    async def _restart_hint(self, state: dict[str, Any]) -> str:
+        """How to relay again: fail back if the destination took over from the source, else start
+        the replication again with the same settings (its stop marker then stays)."""
+        with contextlib.suppress(Exception):
+            site = await _site_record(self.topo, self.dest) or {}
+            if site.get("primary") == self.dest and (site.get("failover") or {}).get("from") == self.source:
+                back = f"ferry site failback --to {self.source}"
+                return f"{self.dest} took over from {self.source}: `{back}` once {self.source} is back"
+        rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
+        return f"`{rep.start_command()}` starts it again"
 
     async def _active(self, lease: _Lease) -> str:
         """Relay until stopped ("stopped") or the lease is lost ("lost")."""
@@ -973,35 +979,42 @@ async def failback(
 
 
 async def _failed_back(topo: Topology, to: str, dry_run: bool) -> dict[str, Any]:
-    """When no site failed over from TO: TO's record of the failback that made it primary again
-    (a rerun has nothing to do), else NotFound."""
-    with contextlib.suppress(Exception):
-        record = await _site_record(topo, to) or {}
-        if record.get("primary") == to and record.get("failback"):
-            return {"already": True, "dry_run": dry_run, "primary": to, "failback": record["failback"]}
+    """When no reachable site failed over from TO: TO's record of the failback that made it primary
+    again (a rerun has nothing to do), else NotFound. A site that does not answer may have taken
+    over since (TO's own record is not updated while TO is down): then nothing can be told."""
+    others = [name for _, name, c in topo.clusters() if isinstance(c, NatsCluster) and name != to]
+    silent = [name for name in others if not await _reachable(topo, name)]
+    if silent:
+        raise FerryError(
+            f"no reachable site failed over from {to}, and {', '.join(silent)} did not answer; try again once it does"
+        )
+    record = await _site_record(topo, to) or {}
+    if record.get("primary") == to and record.get("failback"):
+        return {"already": True, "dry_run": dry_run, "primary": to, "failback": record["failback"]}
     raise NotFound(f"no site failed over from {to} (nothing to fail back)")
 
 
 async def _failback_plan(topo: Topology, to: str, primary: str, record: dict[str, Any]) -> dict[str, Any]:
     """Per stream, what a failback would start from: how far TO's messages had reached `primary`
-    when it took over, TO's last sequence now (so at most the difference to recover), and what
-    `primary` holds (its writes since are brought to TO). Stream infos only: the counts are the
-    failback's own work."""
+    when it took over, TO's last sequence now and the difference (what TO stored past that point:
+    the bulk of what is recovered; the failback also fills any gap below it), and what `primary`
+    holds (its writes since are brought to TO). Stream infos only: the counts are the failback's
+    own work."""
     from nats.js.errors import NotFoundError
 
     plan: dict[str, Any] = {}
-    last: dict[tuple[str, str], Any] = {}
+    states: dict[tuple[str, str], Any] = {}
     for site in (to, primary):
         async with _session(topo, site) as nc:
             for s in record["failover"]["replicated"]:
                 with contextlib.suppress(NotFoundError):
-                    last[site, s] = (await nc.jsm().stream_info(s)).state
+                    states[site, s] = (await nc.jsm().stream_info(s)).state
     for s, replicated in sorted(record["failover"]["replicated"].items()):
-        here, there = last.get((to, s)), last.get((primary, s))
+        here, there = states.get((to, s)), states.get((primary, s))
         plan[s] = {
             "replicated": int(replicated),
             "last_seq": here.last_seq if here else None,
-            "at_most_to_recover": max(0, here.last_seq - int(replicated)) if here else 0,
+            "after_replicated": max(0, here.last_seq - int(replicated)) if here else 0,
             "primary_messages": there.messages if there else None,
         }
     return plan
