@@ -472,8 +472,7 @@ class _RabbitSender(_Sender):
             self.space.clear()
             await self.conn.drain()
             try:
-                async with asyncio.timeout(self.opts.give_up_after):
-                    await self.space.wait()
+                await asyncio.wait_for(self.space.wait(), self.opts.give_up_after)
             except TimeoutError:
                 break
 

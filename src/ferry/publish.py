@@ -196,8 +196,7 @@ class Publisher:
 
     async def flush(self, timeout: float | None = None) -> PublishStats:
         """Wait until every queued message is acked or has failed."""
-        async with asyncio.timeout(timeout):
-            await self._idle.wait()
+        await asyncio.wait_for(self._idle.wait(), timeout)
         return self.stats
 
     @property
@@ -569,8 +568,7 @@ class BatchPublisher:
             return
         self._changed.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._tick):
-                await self._changed.wait()
+            await asyncio.wait_for(self._changed.wait(), self._tick)
         now = time.monotonic()
         if self._unacked and now - self._unacked[0].first_sent >= self.give_up_after:
             self._fail(len(self._unacked), f"no ack within {self.give_up_after:.0f}s")

@@ -85,8 +85,7 @@ async def connect(
     if creds:
         kwargs["user"], kwargs["password"] = creds.user, creds.password()
     try:
-        async with asyncio.timeout(timeout):
-            nc = await nats.connect(**kwargs)
+        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
         _DENIED[nc] = denied
         return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:

@@ -138,8 +138,7 @@ async def amqp_connect(
     }
     connect = aio_pika.connect_robust if robust else aio_pika.connect
     try:
-        async with asyncio.timeout(timeout + 1):
-            return await connect(**kwargs)
+        return await asyncio.wait_for(connect(**kwargs), timeout + 1)
     except aiormq.exceptions.ProbableAuthenticationError:
         raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
     except aiormq.exceptions.InvalidFrameError as exc:

@@ -178,8 +178,7 @@ async def survey(sysnc: Client, wait: float = 2.0) -> View:
             subs.append(await sysnc.subscribe(inbox, cb=cb))
             await sysnc.publish(f"$SYS.REQ.SERVER.PING.{what}", b"{}", reply=inbox)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait):
-                await done.wait()
+            await asyncio.wait_for(done.wait(), wait)
     finally:
         for sub in subs:
             await sub.unsubscribe()

@@ -640,8 +640,7 @@ class RabbitNodes(_Nodes):
                 stderr=subprocess.PIPE,
             )
             try:
-                async with asyncio.timeout(self.CLI_TIMEOUT):
-                    out, err = await proc.communicate()
+                out, err = await asyncio.wait_for(proc.communicate(), self.CLI_TIMEOUT)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

@@ -739,8 +739,7 @@ class Relay:
                 if self.metrics:
                     self.metrics.update(rep, j.state["progress"])
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(1.0):
-                        await lease.stop_requested.wait()
+                    await asyncio.wait_for(lease.stop_requested.wait(), 1.0)
             self.emit("lost", owner=(await j.open() or {}).get("owner"))
             return "lost"
         finally:

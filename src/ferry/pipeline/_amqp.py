@@ -166,8 +166,7 @@ class Channel:
         self.rpc = asyncio.get_running_loop().create_future()
         self.conn.write(frame.marshal(method, self.number))
         try:
-            async with asyncio.timeout(timeout):
-                return await self.rpc
+            return await asyncio.wait_for(self.rpc, timeout)
         finally:
             self.rpc = None
 
@@ -236,15 +235,13 @@ class Connection:
     ) -> Connection:
         conn = cls(name or f"{host}:{port}")
         try:
-            async with asyncio.timeout(timeout):
-                conn.reader, conn.writer = await asyncio.open_connection(host, port)
+            conn.reader, conn.writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         except (OSError, TimeoutError) as exc:
             raise BrokerUnavailable(f"{conn.name}: AMQP {host}:{port} not answering ({type(exc).__name__})") from None
         conn.writer.write(b"AMQP\x00\x00\x09\x01")
         conn._task = asyncio.create_task(conn._read_loop())
         try:
-            async with asyncio.timeout(timeout):
-                await conn._handshake_steps(user, password, vhost)
+            await asyncio.wait_for(conn._handshake_steps(user, password, vhost), timeout)
         except TimeoutError:
             await conn.close()
             raise BrokerUnavailable(f"{conn.name}: AMQP handshake timed out") from None
@@ -331,8 +328,7 @@ class Connection:
             with contextlib.suppress(Exception):
                 self._flush()
                 self.writer.write(frame.marshal(commands.Connection.Close(reply_code=200, reply_text="bye"), 0))
-                async with asyncio.timeout(2):
-                    await self.writer.drain()
+                await asyncio.wait_for(self.writer.drain(), 2)
         self.closed = self.closed or "closed by ferry"
         for task in (getattr(self, "_beat", None), getattr(self, "_task", None)):
             if task:

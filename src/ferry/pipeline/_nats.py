@@ -223,8 +223,7 @@ class Wire:
         pong = asyncio.get_running_loop().create_future()
         self._pongs.append(pong)
         self._write(b"PING\r\n")
-        async with asyncio.timeout(timeout):
-            await pong
+        await asyncio.wait_for(pong, timeout)
 
     async def close(self) -> None:
         self._closed = True
@@ -243,8 +242,7 @@ class Wire:
         first = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(first))
         try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(first)
+            await asyncio.wait_for(asyncio.shield(first), timeout)
         except TimeoutError:
             await self.close()
             raise BrokerUnavailable(
@@ -260,8 +258,7 @@ class Wire:
             url = self.urls[self._server % len(self.urls)]
             self._server += 1
             try:
-                async with asyncio.timeout(2.0):
-                    reader, writer = await self._handshake(url)
+                reader, writer = await asyncio.wait_for(self._handshake(url), 2.0)
             except (AuthError, ConfigError) as exc:
                 if not first.done():
                     first.set_exception(exc)
@@ -269,6 +266,9 @@ class Wire:
             except (OSError, TimeoutError, BrokerUnavailable, ValueError):
                 await asyncio.sleep(0.25 if self._server % len(self.urls) == 0 else 0)
                 continue
+            if self._closed:  # closed during the handshake: Python 3.11's wait_for can swallow the cancel
+                writer.close()
+                return
             self._writer = writer
             for sub in self._subs.values():  # again after a reconnect
                 self._write(b"SUB %s %d\r\n" % (sub.subject.encode(), sub.sid))

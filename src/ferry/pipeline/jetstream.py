@@ -361,8 +361,7 @@ class _Puller:
         if not self.got:
             self.ask(batch)
             try:
-                async with asyncio.timeout(timeout):
-                    await self.done.wait()
+                await asyncio.wait_for(self.done.wait(), timeout)
             except TimeoutError:
                 if not self.got:  # (the caller drops this consumer) else the rest may still come
                     raise
@@ -573,8 +572,8 @@ async def read_ahead(
     """`lists` pulled up to `depth` lists ahead by a task of their own.
 
     Closing it stops that task by a cancel, and by a flag the task reads before each put: a cancel
-    can be swallowed (Python 3.11's ``wait_for``, which nats-py's requests use, returns a result
-    that came with it), and the task then went on into a full queue that no one read."""
+    can be swallowed (Python 3.11's ``wait_for`` returns a result that came with it, as in a
+    reader's connect), and the task then went on into a full queue that no one read."""
     queue: asyncio.Queue[Any] = asyncio.Queue(depth)
     end = object()
     closing = False

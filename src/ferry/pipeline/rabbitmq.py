@@ -271,8 +271,7 @@ class _RabbitSink(_Sink):
             if self.conn.closed:
                 raise BrokerUnavailable(f"publishing to {self.spec.get('queue') or self.exchange}: {self.conn.closed}")
             try:
-                async with asyncio.timeout(timeout):
-                    await self.space.wait()
+                await asyncio.wait_for(self.space.wait(), timeout)
             except TimeoutError:
                 raise BrokerUnavailable(f"no publisher confirm within {timeout:.0f}s") from None
 
@@ -463,8 +462,7 @@ async def move_queue(task: MoveTask) -> MoveResult:
                     raise FerryError(f"moving {source}: {sink.error}")
                 if inbox.empty():
                     try:
-                        async with asyncio.timeout(task.idle):
-                            d = await inbox.get()
+                        d = await asyncio.wait_for(inbox.get(), task.idle)
                     except TimeoutError:
                         await sink.flush()
                         ack_confirmed()
@@ -534,8 +532,7 @@ async def snapshot_queue(
                     granted += min(per_channel, total - granted)
                     await stack.enter_async_context(_Consumer(await channel.get_queue(queue, ensure=False), inbox))
                 try:
-                    async with asyncio.timeout(idle):
-                        m = await inbox.get()
+                    m = await asyncio.wait_for(inbox.get(), idle)
                 except TimeoutError:
                     break  # fewer than counted: consumed by someone else meanwhile
                 builder.add(*message_row(m, source, index))
