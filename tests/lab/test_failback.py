@@ -310,32 +310,41 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
 
 
-def test_a_shovel_that_cannot_run_stops_the_failback_and_a_rerun_finishes(
-    dr: dict[str, Any], tmp_path: Path, spark: Any
+def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
+    dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path, spark: Any
 ) -> None:
-    """The main cluster refuses the shovels' publishes (its user may not write to a vhost): the
-    failback stops after --stall-timeout with one line, the upstreams still disabled; once the
-    permission is back, the same command finishes it."""
+    """A shovel that moves nothing stops the failback after --stall-timeout with one line, the
+    upstreams still disabled: first pc1 refuses the shovels' publishes (its user may not write to
+    a vhost), then a rerun adopts them while a memory alarm blocks every publisher on pc1 (they
+    run, and move nothing). Once pc1 takes messages again, the same command finishes it."""
     topo, topology = dr["topo"], dr["topology"]
     user = topo.rabbitmq("pc1").credentials.user  # type: ignore[union-attr]
     vhost = next(iter(VHOSTS))
+    pc1 = rabbit_dr.proc("pc1")
 
     async def write(allowed: str) -> None:
         async with Management(topo.rabbitmq("pc1"), name="pc1") as m:
             perms = {"configure": ".*", "write": allowed, "read": ".*"}
             await m.request("PUT", f"/permissions/{q(vhost)}/{q(user)}", json=perms)
 
-    asyncio.run(write("^$"))
-    try:
-        args = ["failback", "--from", "ltm", "--to", "pc1"]
+    def stalls(state: str) -> None:
         stalled = ferry(*args, "--stall-timeout", "5", topology=topology, timeout=120)
         assert stalled.returncode != 0, stalled.stderr
         last = stalled.stderr.strip().splitlines()[-1]
-        assert "not running for 5s" in last and "rerun to continue, or --abort" in last, stalled.stderr
+        assert f"moved no message for 5s ({state}" in last and "rerun to continue, or --abort" in last, last
         assert dr["password"] not in stalled.stderr
         assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled: nothing pulls
+
+    args = ["failback", "--from", "ltm", "--to", "pc1"]
+    asyncio.run(write("^$"))
+    try:
+        stalls("")
+        lab_rabbit.cli(pc1, "rabbitmqctl", "set_vm_memory_high_watermark", "0")
+        asyncio.run(write(".*"))
+        stalls("running")
     finally:
         asyncio.run(write(".*"))
+        lab_rabbit.cli(pc1, "rabbitmqctl", "set_vm_memory_high_watermark", "0.2")
     ferry(*args, topology=topology, check=True)
     _assert_done(dr)
     assert _audit(spark, dr, tmp_path, max_dup=10**6)["lost"] == 0
@@ -343,7 +352,7 @@ def test_a_shovel_that_cannot_run_stops_the_failback_and_a_rerun_finishes(
 
 def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any], rabbit_dr: lab.LabState) -> None:
     ltm = rabbit_dr.proc("ltm")
-    lab_rabbit.plugins(ltm, "disable", "--online", "rabbitmq_shovel_management")
+    lab_rabbit.cli(ltm, "rabbitmq-plugins", "disable", "--online", "rabbitmq_shovel_management")
     try:
         result = ferry("failback", "--from", "ltm", "--to", "pc1", topology=dr["topology"])
         assert result.returncode != 0
@@ -351,7 +360,7 @@ def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any],
         assert asyncio.run(_upstreams(dr["topo"], "ltm")) == dr["upstreams"]
         assert asyncio.run(_leftovers(dr["topo"]))["journal"] is None
     finally:
-        lab_rabbit.plugins(ltm, "enable", "--online", "rabbitmq_shovel_management")
+        lab_rabbit.cli(ltm, "rabbitmq-plugins", "enable", "--online", "rabbitmq_shovel_management")
     assert lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in rabbit_dr.rabbit if n["name"] == "ltm"],
                              dr["password"])["ltm"] == "ok"  # fmt: skip
 

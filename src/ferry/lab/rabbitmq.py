@@ -23,7 +23,6 @@ from ferry.errors import ConfigError, FerryError
 from ferry.lab.procs import Proc, free_ports, port_open
 
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
-RABBITMQ_PLUGINS = "/usr/lib/rabbitmq/bin/rabbitmq-plugins"
 PLUGINS = [
     "rabbitmq_management",
     "rabbitmq_shovel",
@@ -177,16 +176,16 @@ def make_procs(nodes: list[RabbitNode], root: Path, password: str, epmd_port: in
     return procs
 
 
-def plugins(proc: Proc, *args: str) -> None:
-    """Run ``rabbitmq-plugins`` against a running lab node (its environment, its user), e.g.
-    ``plugins(p, "disable", "--online", "rabbitmq_shovel_management")``."""
+def cli(proc: Proc, tool: str, *args: str) -> None:
+    """Run a RabbitMQ CLI tool against a running lab node (its environment, its user), e.g.
+    ``cli(p, "rabbitmq-plugins", "disable", "--online", "rabbitmq_shovel_management")``."""
     env = {**proc.env}
-    argv = [RABBITMQ_PLUGINS, "-n", env["RABBITMQ_NODENAME"], *args]
+    argv = [str(Path(RABBITMQ_SERVER).with_name(tool)), "-n", env["RABBITMQ_NODENAME"], *args]
     if proc.user:
         argv = ["runuser", "-u", proc.user, "--", "env", *[f"{k}={v}" for k, v in env.items()], *argv]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=proc.cwd, timeout=120, env=env)
     if result.returncode != 0:
-        raise FerryError(f"rabbitmq-plugins {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
+        raise FerryError(f"{tool} {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
 
 
 def topology_cluster(

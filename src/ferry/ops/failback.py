@@ -74,7 +74,7 @@ class FailbackRequest:
     dry_run: bool = False
     abort: bool = False  # restore the upstreams and clean up without finishing
     link_timeout: float = 30.0  # seconds for federation links to stop
-    stall_timeout: float = 60.0  # seconds a shovel may fail (or keep starting) before the failback stops
+    stall_timeout: float = 60.0  # seconds a shovel may move no message before the failback stops
 
 
 def public(plan: dict[str, Any]) -> dict[str, Any]:
@@ -550,10 +550,10 @@ async def _shovels(
     )
     empty_since: dict[str, float] = {}
     gone_since: dict[str, float] = {}
-    failing_since: dict[str, float] = {}  # a shovel seen not running, and no message moved since
-    left_before: dict[str, int] = {}
+    fewest: dict[str, int] = {}  # the fewest messages seen left in a shovel's queue
+    stalled: dict[str, float] = {}  # seconds its shovel existed since then
     created = 0
-    last_emit = 0.0
+    last_emit, last_poll = 0.0, time.monotonic()
     while pending or active:
         while pending and len(active) < req.max_active:
             x = pending.pop(0)
@@ -568,15 +568,19 @@ async def _shovels(
         present = {p["name"] for p in await _ferry_shovels(sm, journal)}
         states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
         now = time.monotonic()
+        waited, last_poll = now - last_poll, now
         for name, x in list(active.items()):
             left, consumers = await counts.state(x["vhost"], x["queue"])
             ready[f"{x['vhost']}/{x['queue']}"] = left
-            if left < left_before.get(name, left + 1):  # it moves messages
-                failing_since.pop(name, None)
-            left_before[name] = left
+            # a shovel that takes messages it cannot deliver (a destination that refuses them, or
+            # blocks every publisher under an alarm) gives them back: only a new low is progress
+            if left < fewest.get(name, left + 1):
+                fewest[name], stalled[name] = left, 0.0
+            else:
+                stalled[name] += waited
             if name not in present:
-                failing_since.pop(name, None)  # it deleted itself: the length it saw at start has been moved
-                # until its consumer is gone it may hold unacked messages that come back when its
+                # it deleted itself (the length it saw at start has been moved), but until its
+                # consumer is gone it may hold unacked messages that come back when its
                 # channel closes (a CI run saw 0 ready, then 158); a foreign consumer is waited out
                 if consumers and now - gone_since.setdefault(name, now) < 10.0:
                     continue
@@ -589,15 +593,13 @@ async def _shovels(
                 else:
                     emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
                 continue
-            state = states.get((x["vhost"], name), {})
-            # terminated, or starting over and over (a destination that refuses the shovel's user);
-            # "running" in between does not count until a message moves
-            if state.get("state") not in (None, "running"):
-                failing_since.setdefault(name, now)
-            if now - failing_since.get(name, now) > req.stall_timeout:
-                reason = redact(str(state.get("reason") or state.get("state") or "not listed"))
+            if stalled[name] > req.stall_timeout:
+                state = states.get((x["vhost"], name), {})
+                said = ": ".join(str(s) for s in (state.get("state", "not listed"), state.get("reason")) if s)
+                said = " ".join(redact(said).split())  # the reason is an Erlang term, printed over lines
                 raise OperationFailed(
-                    f"shovel for {x['vhost']}/{x['queue']} not running for {req.stall_timeout:.0f}s: {reason}; "
+                    f"shovel for {x['vhost']}/{x['queue']} moved no message for {req.stall_timeout:.0f}s "
+                    f"({said if len(said) <= 300 else said[:300] + ' ...'}); "
                     "upstreams stay disabled (rerun to continue, or --abort)"
                 )
             # empty but still there: someone else consumed part of the queue, so the shovel waits
