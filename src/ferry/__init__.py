@@ -1,8 +1,26 @@
 """ferry: move message workloads between NATS JetStream and RabbitMQ clusters and sites
-without losing a message, and prove it."""
+without losing a message, and prove it.
+
+The safe publisher for applications is ``ferry.publish``: ``publish()`` and ``Publisher``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ferry.errors import FerryError
-from ferry.publish import Publisher, publish
 
-__all__ = ["FerryError", "Publisher", "publish"]
+if TYPE_CHECKING:
+    from ferry.publish import Publisher
+
+__all__ = ["FerryError", "Publisher"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # loaded on first use: the command line's entry point imports this package before it can
+    # catch a Ctrl-C, and the publisher's imports (nats-py, pydantic) take a third of a second
+    if name == "Publisher":
+        from ferry.publish import Publisher
+
+        return Publisher
+    raise AttributeError(f"module 'ferry' has no attribute {name!r}")

@@ -163,6 +163,27 @@ def test_version() -> None:
     assert result.exit_code == 0 and result.output.strip() == f"ferry {__version__}"
 
 
+def test_ctrl_c_while_the_command_line_loads_is_one_line() -> None:
+    """The `ferry` script's entry point catches a Ctrl-C during its imports (about a second): the
+    interrupt is sent as the import of ferry.cli begins, where a user's Ctrl-C lands."""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, sys
+class Interrupt:
+    def find_spec(self, name, path, target=None):
+        if name == "ferry.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["ferry", "--help"]
+from ferry.__main__ import main
+main()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr, result.stdout) == (130, "interrupted\n", "")
+
+
 def test_no_module_defines_a_function_twice() -> None:
     """A second top-level definition silently replaces the first for every caller (ruff's F811
     misses it once the first is used): the move's event printer was replaced that way once."""
