@@ -37,6 +37,9 @@ from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
 READ_FRESH = 2.0  # seconds: how recent the journal read behind an adoption must be
+# seconds from serve's start an availability check may wait for the first journal read: less than
+# the lab HAProxy's check timeout (its `inter`, 1 s, with no `timeout check`)
+FIRST_READ = 0.5
 
 __all__ = ["create_app"]
 
@@ -51,6 +54,8 @@ class Registry:
         self.drivers: dict[str, asyncio.Task[Any]] = {}
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # cluster -> time.monotonic() of its last journal read
+        self.started = time.monotonic()
+        self.first_read = {n: asyncio.Event() for n in self.clusters}
 
     async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
         """Mirror `name`'s journal keys twice a second, reconnecting forever. A poll, not a KV
@@ -75,6 +80,7 @@ class Registry:
             began = time.monotonic()  # the heartbeats read are at least this old
             self.states[name] = await rb.journaled(journal, name)
             self.read_at[name] = began
+            self.first_read[name].set()
             await asyncio.sleep(0.5)
 
     async def adopt(self) -> None:
@@ -176,6 +182,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reg.started = time.monotonic()
         tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.clusters.items()]
         tasks.append(asyncio.create_task(reg.adopt()))
         yield
@@ -194,20 +201,24 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     )
     Auth = Depends(authorized)
 
-    def availability(node: str, cluster: str | None) -> JSONResponse:
+    async def availability(node: str, cluster: str | None) -> JSONResponse:
         cname = reg.locate(node, cluster)
+        # just started: the answer waits for the journal (a node under evacuation is not 200 for a moment)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, reg.started + FIRST_READ - time.monotonic())):
+                await reg.first_read[cname].wait()
         if cname not in reg.states:  # a journal that cannot be read must not take every node out of the balancer
             return JSONResponse({"node": node, "cluster": cname, "available": True, "reason": "journal not read yet"})
         why = rb.unavailable(reg.states[cname], cname, node)
         return JSONResponse({"node": node, "cluster": cname, "available": not why, "reason": why}, 503 if why else 200)
 
     @app.get("/availability_check", summary="503 while the node is evacuated or a rebalance donor, else 200")
-    def availability_check(node: str, cluster: Annotated[str | None, Query()] = None) -> JSONResponse:
-        return availability(node, cluster)
+    async def availability_check(node: str, cluster: Annotated[str | None, Query()] = None) -> JSONResponse:
+        return await availability(node, cluster)
 
     @app.get("/availability_check/{node}", summary="The same, one URL per node")
-    def availability_check_node(node: str, cluster: Annotated[str | None, Query()] = None) -> JSONResponse:
-        return availability(node, cluster)
+    async def availability_check_node(node: str, cluster: Annotated[str | None, Query()] = None) -> JSONResponse:
+        return await availability(node, cluster)
 
     @app.get("/evacuations")
     def evacuations() -> list[dict[str, Any]]:

@@ -389,6 +389,14 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         no_token = httpx.post(supercluster.lb["serve"] + "/evacuations", json={"node": "east-2"}, timeout=10)
         assert no_token.status_code == 401
         assert api(supercluster, "GET", "/availability_check?node=east-3").status_code == 503
+        # a serve just started answers its first checks from the journal once read (not a 200 "not read yet")
+        from fastapi.testclient import TestClient
+
+        from ferry.api import create_app
+
+        with TestClient(create_app(profile_topology(supercluster), None)) as restarted:
+            got = restarted.get("/availability_check?node=east-3")
+            assert got.status_code == 503 and "evacuat" in got.json()["reason"], got.text
         assert "/availability_check" in httpx.get(supercluster.lb["serve"] + "/openapi.json", timeout=10).text
     finally:
         cli.kill()
