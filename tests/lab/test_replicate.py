@@ -336,6 +336,8 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         assert relay.proc.wait(timeout=60) == 0
         again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology, timeout=60)
         assert again.returncode == 0 and "`ferry site failback --to nyc` once nyc is back" in again.stderr, again.stderr
+        unsure = ferry("site", "failback", "--to", "sfo", topology=topology)  # nyc, down, may have taken over
+        assert unsure.returncode != 0 and "and nyc did not answer; try again" in unsure.stderr, unsure.stderr
         at_sfo = finished(load(topology, "sfo", "cyc.sfo.{n}", tmp_path / "ledger-sfo", 1000, 4))["acked"]
 
         nyc.start()

@@ -956,10 +956,9 @@ async def failback(
 
     Run it once clients write to TO again (or not at all): what the old primary stores after its
     stream was read here is not copied."""
-    try:
-        record, primary = await _failed_over_from(topo, to)
-    except NotFound:
-        return await _failed_back(topo, to, dry_run)
+    record, primary, silent = await _failed_over_from(topo, to)
+    if not record:
+        return await _failed_back(topo, to, dry_run, silent)
     if not await _reachable(topo, to):
         raise FerryError(f"site {to} is not reachable; fail back once it is up")
     if dry_run:
@@ -970,19 +969,16 @@ async def failback(
             "streams": await _failback_plan(topo, to, primary, record),
         }
     async with _one_failback(topo, to) as lease:
-        try:
-            record, primary = await _failed_over_from(topo, to)  # again: a failback that just ended changed it
-        except NotFound:
-            return await _failed_back(topo, to, dry_run)
+        record, primary, silent = await _failed_over_from(topo, to)  # again: one that just ended changed it
+        if not record:
+            return await _failed_back(topo, to, dry_run, silent)
         return await _failback(topo, to, spark_factory, emit, record, primary, lease)
 
 
-async def _failed_back(topo: Topology, to: str, dry_run: bool) -> dict[str, Any]:
+async def _failed_back(topo: Topology, to: str, dry_run: bool, silent: list[str]) -> dict[str, Any]:
     """When no reachable site failed over from TO: TO's record of the failback that made it primary
-    again (a rerun has nothing to do), else NotFound. A site that does not answer may have taken
-    over since (TO's own record is not updated while TO is down): then nothing can be told."""
-    others = [name for _, name, c in topo.clusters() if isinstance(c, NatsCluster) and name != to]
-    silent = [name for name in others if not await _reachable(topo, name)]
+    again (a rerun has nothing to do), else NotFound. A site that does not answer (`silent`) may have
+    taken over since (TO's own record is not updated while TO is down): then nothing can be told."""
     if silent:
         raise FerryError(
             f"no reachable site failed over from {to}, and {', '.join(silent)} did not answer; try again once it does"
@@ -1019,14 +1015,20 @@ async def _failback_plan(topo: Topology, to: str, primary: str, record: dict[str
     return plan
 
 
-async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any], str]:
-    """The site record of the site that took over from TO, and that site."""
+async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any] | None, str, list[str]]:
+    """The site record of the site that took over from TO and that site, else (None, "", the
+    sites that did not answer)."""
+    silent = []
     for _, name, cluster in topo.clusters():
-        if isinstance(cluster, NatsCluster) and name != to and await _reachable(topo, name):
-            got = await _site_record(topo, name)
-            if got and got.get("primary") == name and (got.get("failover") or {}).get("from") == to:
-                return got, name
-    raise NotFound(f"no site failed over from {to} (nothing to fail back)")
+        if not isinstance(cluster, NatsCluster) or name == to:
+            continue
+        if not await _reachable(topo, name):
+            silent.append(name)
+            continue
+        got = await _site_record(topo, name)
+        if got and got.get("primary") == name and (got.get("failover") or {}).get("from") == to:
+            return got, name, []
+    return None, "", silent
 
 
 @contextlib.asynccontextmanager
