@@ -633,7 +633,10 @@ def failback_cmd(
     engine: Annotated[str, typer.Option(help="shovel (dynamic shovels) or spark (the data-plane mover).")] = "shovel",
     max_active: Annotated[int, typer.Option(min=1, help="Shovels running at once.")] = 50,
     stall_timeout: Annotated[
-        float, typer.Option(min=1, metavar="SECONDS", help="Stop when a shovel has moved no message for this long.")
+        float,
+        typer.Option(
+            min=10, metavar="SECONDS", help="Stop when a shovel has moved no message (none acked) for this long."
+        ),
     ] = 60.0,
     target_queue: Annotated[
         str | None, typer.Option(help="Send every queue's messages to this queue (testing on one cluster).")

@@ -23,6 +23,7 @@ from ferry.errors import ConfigError, FerryError
 from ferry.lab.procs import Proc, free_ports, port_open
 
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+MEMORY_WATERMARK = 0.2  # of the machine's memory, per node
 PLUGINS = [
     "rabbitmq_management",
     "rabbitmq_shovel",
@@ -96,7 +97,7 @@ def render_config(node: RabbitNode, peers: list[RabbitNode], password: str) -> s
         "default_permissions.write = .*",
         "loopback_users = none",
         "disk_free_limit.absolute = 50MB",
-        "vm_memory_high_watermark.relative = 0.2",
+        f"vm_memory_high_watermark.relative = {MEMORY_WATERMARK}",
         f"cluster_name = {node.cluster}",
         "collect_statistics_interval = 1000",
     ]
@@ -176,16 +177,16 @@ def make_procs(nodes: list[RabbitNode], root: Path, password: str, epmd_port: in
     return procs
 
 
-def cli(proc: Proc, tool: str, *args: str) -> None:
+def tool(proc: Proc, name: str, *args: str) -> None:
     """Run a RabbitMQ CLI tool against a running lab node (its environment, its user), e.g.
-    ``cli(p, "rabbitmq-plugins", "disable", "--online", "rabbitmq_shovel_management")``."""
+    ``tool(p, "rabbitmq-plugins", "disable", "--online", "rabbitmq_shovel_management")``."""
     env = {**proc.env}
-    argv = [str(Path(RABBITMQ_SERVER).with_name(tool)), "-n", env["RABBITMQ_NODENAME"], *args]
+    argv = [str(Path(RABBITMQ_SERVER).with_name(name)), "-n", env["RABBITMQ_NODENAME"], *args]
     if proc.user:
         argv = ["runuser", "-u", proc.user, "--", "env", *[f"{k}={v}" for k, v in env.items()], *argv]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=proc.cwd, timeout=120, env=env)
     if result.returncode != 0:
-        raise FerryError(f"{tool} {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
+        raise FerryError(f"{name} {' '.join(args)} on {proc.name} failed: {result.stderr.strip()[-300:]}")
 
 
 def topology_cluster(

@@ -61,6 +61,7 @@ JOURNAL = "ferry-failback"  # global parameter on the source broker
 LOCK = "ferry-failback-lock"  # exclusive queue held while ferry works
 SHOVEL_PREFIX = "ferry-failback-"
 POLL = 0.2
+EMPTY_WAIT = 10.0  # seconds a shovel may sit on an empty queue with nothing acked before it is deleted
 
 
 @dataclass
@@ -74,7 +75,7 @@ class FailbackRequest:
     dry_run: bool = False
     abort: bool = False  # restore the upstreams and clean up without finishing
     link_timeout: float = 30.0  # seconds for federation links to stop
-    stall_timeout: float = 60.0  # seconds a shovel may move no message before the failback stops
+    stall_timeout: float = 60.0  # seconds a shovel may move no message (none acked) before the failback stops
 
 
 def public(plan: dict[str, Any]) -> dict[str, Any]:
@@ -548,12 +549,19 @@ async def _shovels(
     journal["possible_duplicates"] += sum(
         ready[f"{x['vhost']}/{x['queue']}"] for x in pending if _shovel_name(journal, x) in created_before
     )
-    empty_since: dict[str, float] = {}
     gone_since: dict[str, float] = {}
-    fewest: dict[str, int] = {}  # the fewest messages seen left in a shovel's queue
-    stalled: dict[str, float] = {}  # seconds its shovel existed since then
+    created_at: dict[str, float] = {}
+    # progress is a new low of a queue's ready count, or a change of its ack count (the management
+    # API's, up to a statistics interval old, 5 s here): a shovel that takes messages it cannot
+    # deliver (a target that refuses them, or blocks every publisher under an alarm) gives them back
+    # unacked, and the last ones it took stay unacked until the target confirms them
+    acks: dict[str, int | None] = {}
+    seen_acks: dict[str, int | None] = {}
+    fewest: dict[str, int] = {}
+    stalled: dict[str, float] = {}  # seconds a queue's shovel existed since it last made progress
     created = 0
-    last_emit, last_poll = 0.0, time.monotonic()
+    last_emit = last_acks = 0.0
+    last_poll = time.monotonic()
     while pending or active:
         while pending and len(active) < req.max_active:
             x = pending.pop(0)
@@ -562,6 +570,8 @@ async def _shovels(
             await _write_journal(sm, journal)  # before the shovel exists
             await sm.put(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)})
             active[name] = x
+            gone_since.pop(name, None)
+            created_at[name] = time.monotonic()
             created += 1
             emit("shovel", queue=f"{x['vhost']}/{x['queue']}", name=name, active=len(active))
         await asyncio.sleep(POLL)
@@ -569,15 +579,21 @@ async def _shovels(
         states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
         now = time.monotonic()
         waited, last_poll = now - last_poll, now
+        if now - last_acks >= 1.0:
+            last_acks = now
+            for vhost in {x["vhost"] for x in active.values()}:
+                for item in await sm.get(f"/queues/{q(vhost)}?columns=name,message_stats.ack"):
+                    acks[f"{vhost}/{item['name']}"] = (item.get("message_stats") or {}).get("ack")
         for name, x in list(active.items()):
             left, consumers = await counts.state(x["vhost"], x["queue"])
             ready[f"{x['vhost']}/{x['queue']}"] = left
-            # a shovel that takes messages it cannot deliver (a destination that refuses them, or
-            # blocks every publisher under an alarm) gives them back: only a new low is progress
-            if left < fewest.get(name, left + 1):
-                fewest[name], stalled[name] = left, 0.0
-            else:
-                stalled[name] += waited
+            acked = acks.get(f"{x['vhost']}/{x['queue']}")
+            moved = left < fewest.get(name, left + 1) or acked != seen_acks.get(name, acked)  # a reset counts too
+            fewest[name], seen_acks[name] = min(left, fewest.get(name, left)), acked
+            if moved:
+                stalled[name] = 0.0
+            elif name in present:
+                stalled[name] = stalled.get(name, 0.0) + waited
             if name not in present:
                 # it deleted itself (the length it saw at start has been moved), but until its
                 # consumer is gone it may hold unacked messages that come back when its
@@ -593,21 +609,19 @@ async def _shovels(
                 else:
                     emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
                 continue
-            if stalled[name] > req.stall_timeout:
+            if stalled.get(name, 0.0) > req.stall_timeout:
                 state = states.get((x["vhost"], name), {})
                 said = ": ".join(str(s) for s in (state.get("state", "not listed"), state.get("reason")) if s)
                 said = " ".join(redact(said).split())  # the reason is an Erlang term, printed over lines
                 raise OperationFailed(
-                    f"shovel for {x['vhost']}/{x['queue']} moved no message for {req.stall_timeout:.0f}s "
+                    f"shovel for {x['vhost']}/{x['queue']} moved no message for {req.stall_timeout:g}s "
                     f"({said if len(said) <= 300 else said[:300] + ' ...'}); "
                     "upstreams stay disabled (rerun to continue, or --abort)"
                 )
-            # empty but still there: someone else consumed part of the queue, so the shovel waits
-            # for messages that will not come; deleting it requeues any it still holds
-            if left == 0 and now - empty_since.setdefault(name, now) > 5.0:
+            # none ready and none acked for a while: someone else consumed part of the queue, so the
+            # shovel waits for messages that will not come; deleting it requeues any it still holds
+            if left == 0 and min(stalled.get(name, 0.0), now - created_at.get(name, 0.0)) > EMPTY_WAIT:
                 await sm.delete(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}")
-            elif left:
-                empty_since.pop(name, None)
         if now - last_emit >= 0.5:
             last_emit = now
             # only shovelled queues change (no upstream feeds them): the rest keep their last count
