@@ -10,17 +10,19 @@ from typing import TYPE_CHECKING, Any
 from ferry.errors import FerryError
 
 if TYPE_CHECKING:
+    from ferry import publish
     from ferry.publish import Publisher
 
-__all__ = ["FerryError", "Publisher"]
+__all__ = ["FerryError", "Publisher", "publish"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     # loaded on first use: the command line's entry point imports this package before it can
     # catch a Ctrl-C, and the publisher's imports (nats-py, pydantic) take a third of a second
-    if name == "Publisher":
-        from ferry.publish import Publisher
+    if name in ("publish", "Publisher"):
+        import importlib
 
-        return Publisher
+        module = importlib.import_module("ferry.publish")
+        return module if name == "publish" else module.Publisher
     raise AttributeError(f"module 'ferry' has no attribute {name!r}")

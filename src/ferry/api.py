@@ -55,7 +55,7 @@ class Registry:
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # cluster -> time.monotonic() of its last journal read
         self.started = time.monotonic()
-        self.first_read = {n: asyncio.Event() for n in self.clusters}
+        self.first_read: dict[str, asyncio.Event] = {}  # cluster -> set once its journal was read (made at start)
 
     async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
         """Mirror `name`'s journal keys twice a second, reconnecting forever. A poll, not a KV
@@ -80,7 +80,8 @@ class Registry:
             began = time.monotonic()  # the heartbeats read are at least this old
             self.states[name] = await rb.journaled(journal, name)
             self.read_at[name] = began
-            self.first_read[name].set()
+            if name in self.first_read:
+                self.first_read[name].set()
             await asyncio.sleep(0.5)
 
     async def adopt(self) -> None:
@@ -183,6 +184,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         reg.started = time.monotonic()
+        reg.first_read = {n: asyncio.Event() for n in reg.clusters}
         tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.clusters.items()]
         tasks.append(asyncio.create_task(reg.adopt()))
         yield
@@ -204,9 +206,11 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     async def availability(node: str, cluster: str | None) -> JSONResponse:
         cname = reg.locate(node, cluster)
         # just started: the answer waits for the journal (a node under evacuation is not 200 for a moment)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, reg.started + FIRST_READ - time.monotonic())):
-                await reg.first_read[cname].wait()
+        read, wait = reg.first_read.get(cname), reg.started + FIRST_READ - time.monotonic()
+        if read and not read.is_set() and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await read.wait()
         if cname not in reg.states:  # a journal that cannot be read must not take every node out of the balancer
             return JSONResponse({"node": node, "cluster": cname, "available": True, "reason": "journal not read yet"})
         why = rb.unavailable(reg.states[cname], cname, node)
