@@ -209,8 +209,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
         read, wait = reg.first_read.get(cname), reg.started + FIRST_READ - time.monotonic()
         if read and not read.is_set() and wait > 0:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await read.wait()
+                await asyncio.wait_for(read.wait(), wait)
         if cname not in reg.states:  # a journal that cannot be read must not take every node out of the balancer
             return JSONResponse({"node": node, "cluster": cname, "available": True, "reason": "journal not read yet"})
         why = rb.unavailable(reg.states[cname], cname, node)

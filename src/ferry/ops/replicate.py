@@ -686,8 +686,7 @@ class Relay:
         """How to relay again: fail back if the destination took over from the source, else start
         the replication again with the same settings (its stop marker then stays)."""
         with contextlib.suppress(Exception):
-            site = await _site_record(self.topo, self.dest) or {}
-            if site.get("primary") == self.dest and (site.get("failover") or {}).get("from") == self.source:
+            if _took_over(await _site_record(self.topo, self.dest), self.dest, self.source):
                 back = f"ferry site failback --to {self.source}"
                 return f"{self.dest} took over from {self.source}: `{back}` once {self.source} is back"
         rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
@@ -867,6 +866,11 @@ async def _site_record(topo: Topology, site: str) -> dict[str, Any] | None:
         return await j.get("site")
 
 
+def _took_over(record: dict[str, Any] | None, site: str, source: str) -> bool:
+    """Whether `site`'s own record says it is primary after a failover from `source`."""
+    return bool(record) and record.get("primary") == site and (record.get("failover") or {}).get("from") == source
+
+
 async def _save_site(topo: Topology, site: str, record: dict[str, Any]) -> None:
     async with _journal(topo, site, "site") as j:
         await j.open()
@@ -1026,7 +1030,7 @@ async def _failed_over_from(topo: Topology, to: str) -> tuple[dict[str, Any] | N
             silent.append(name)
             continue
         got = await _site_record(topo, name)
-        if got and got.get("primary") == name and (got.get("failover") or {}).get("from") == to:
+        if _took_over(got, name, to):
             return got, name, []
     return None, "", silent
 
