@@ -846,6 +846,7 @@ def partition_route(
 
     if map_file:
         maps = [pt.load_map(map_file)]
+        pt.require_valid(maps[0])  # an overlap would route a subject to either owner
     else:
         topo = _topology(topology)
 

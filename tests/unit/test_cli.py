@@ -259,3 +259,23 @@ def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
     r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: --html '/no/such/dir/a.html': no such directory '/no/such/dir'"
+
+
+def test_route_by_a_map_with_an_overlap_is_refused(tmp_path) -> None:
+    """Two owners of one subject would route it to either: the map is refused, as apply refuses it."""
+    m = tmp_path / "m.yaml"
+    m.write_text(
+        "name: m\npartitions:\n"
+        "  - {name: a, stream: A, patterns: ['a.>']}\n"
+        "  - {name: b, stream: B, patterns: ['a.x']}\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "ferry.cli", "partition", "route", "a.x", "--map", str(m)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and not r.stdout, r
+    assert r.stderr.strip() == "error: map 'm': partition 'a' 'a.>' overlaps partition 'b' 'a.x': both own 'a.x'", (
+        r.stderr
+    )

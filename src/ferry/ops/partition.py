@@ -195,7 +195,8 @@ def _reserved(pattern: str) -> str | None:
     return None
 
 
-def _require_valid(pmap: PartitionMap) -> None:
+def require_valid(pmap: PartitionMap) -> None:
+    """Refuse a map with any problem `check` finds (one line, naming the first)."""
     report = check(pmap)
     if not report["ok"]:
         n = len(report["problems"])
@@ -599,7 +600,7 @@ async def apply(
     state_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Claim `pmap` and make the streams match it; a repartition needs `execute`."""
-    _require_valid(pmap)
+    require_valid(pmap)
     cluster = topo.nats(via)
     async with bnats.session(cluster, name=via, client_name="ferry-partition") as nc:
         kv = await _bucket(nc, create=False)
