@@ -373,12 +373,13 @@ def _print_plan(plan: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _busy(what: str, enabled: bool = True) -> Iterator[None]:
-    """A spinner with the time so far, on stderr, for work that cannot count its progress."""
+    """A spinner with the time so far, on stderr, for work that cannot count its progress; none
+    when stderr is no terminal (rich would print only an empty line there when it ends)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        bar.add_task(escape(what), visible=enabled)
+    with Progress(*columns, console=err, transient=True, disable=not (enabled and err.is_terminal)) as bar:
+        bar.add_task(escape(what))
         yield
 
 
