@@ -316,7 +316,7 @@ def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_swi
     assert r.returncode == 1, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]  # after the progress lines
     assert said.startswith("error: PT_MB dropped 250 of the copies of ptm.> as duplicates"), said
-    assert "Undone: PT_MA still owns ptm.eu.> and holds every message; apply again after" in said, said
+    assert "Undone: PT_MA still owns ptm.eu.> and holds every message; run the same command again after" in said, said
 
     async def as_before() -> None:
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:

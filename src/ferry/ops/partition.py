@@ -715,7 +715,7 @@ async def _repartition(
                 raise PreflightFailed(
                     f"stream {m['to']} already holds {held:,} messages of {x}, which {m['from']} owns (copies left "
                     f"by an unfinished repartition?): purge them first (`nats stream purge {m['to']} --subject "
-                    f"'{x}'`), then apply again"
+                    f"'{x}'`), then run the same command again"
                 )
     claimed = await claim(kv, pmap, seen, pending=True)
     emit("claimed", map=pmap.name, pending=True)
@@ -761,7 +761,7 @@ async def _repartition(
     async def unless_dropped() -> None:
         """A new owner that dropped copies as duplicates (its duplicate window still holds their
         msg ids: it held them itself a moment ago) would own the pattern without them: undo the
-        staging before the switch, and say when to apply again."""
+        staging before the switch, and say when to run the same command again (its --force too)."""
         dropped = [(m, dups[i]) for i, m in enumerate(moves) if dups[i]]
         if not dropped:
             return
@@ -777,7 +777,8 @@ async def _repartition(
         if m["to"] in streams:
             window = int(streams[m["to"]]["config"].get("duplicate_window", 0)) / 1e9
             why = f"its duplicate window ({window:g}s) still remembers their Nats-Msg-Id, or "
-            after = f"; apply again after {time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + window))}"
+            at = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + window))
+            after = f"; run the same command again after {at}"
         else:
             why, after = "", ""  # a new stream remembers nothing
         raise OperationFailed(
