@@ -424,6 +424,8 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         args = ("failback", "--from", "ltm", "--to", "pc1", "--vhost", "/", "--json")
         plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["plan"]
         assert sorted((x["queue"], x["before"]) for x in plan["queues"]) == [("fed-0", 30), ("fed-1", 30)]
+        snap = ferry("snapshot", "rabbitmq://ltm/%2F/fed-0", "--out", str(rabbit_dr.path / "s"), topology=topology)
+        assert snap.returncode != 0 and snap.stderr.startswith("error: queue %2F/fed-0 is federated"), snap.stderr
         report = json.loads(ferry(*args, topology=topology, check=True).stdout)
         assert report["total"]["moved"] == 60 and report["upstream_pulled"] == 0
     finally:

@@ -48,6 +48,12 @@ def q(name: str) -> str:
     return quote(name, safe="")
 
 
+def queue_path(vhost: str, queue: str) -> str:
+    """A queue as ferry names it in messages and events: its ``rabbitmq://`` URI path, vhost
+    URL-encoded (``%2F/orders`` for the default vhost's queue, not ``//orders``)."""
+    return f"{q(vhost)}/{queue}"
+
+
 class Management:
     """The management HTTP API of one broker (any node of a cluster answers for all)."""
 

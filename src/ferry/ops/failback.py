@@ -49,7 +49,7 @@ from typing import Any
 import aio_pika
 import aiormq
 
-from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, amqp_uri, effective_policy, q
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, amqp_uri, effective_policy, q, queue_path
 from ferry.errors import ConfigError, Conflict, FerryError, NotFound, OperationFailed, UsageError, redact
 from ferry.ops import Emit, no_emit
 from ferry.pipeline._amqp import QueueCounts
@@ -326,8 +326,7 @@ async def _plan(
         await dst_counts.close()
     upstreams = await _upstreams(sm, queues)
     warnings = [
-        f"queue {x['vhost']}/{x['queue']} has {x['consumers']} consumer(s) on {req.source}: "
-        "are applications still connected there?"
+        f"queue {_path(x)} has {x['consumers']} consumer(s) on {req.source}: are applications still connected there?"
         for x in queues
         if x["consumers"]
     ]
@@ -355,7 +354,7 @@ def _check_resume(journal: dict[str, Any], req: FailbackRequest) -> None:
 async def _resume_view(journal: dict[str, Any], src_c: RabbitCluster, req: FailbackRequest) -> dict[str, Any]:
     counts = QueueCounts(src_c, req.source)
     try:
-        left = {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in journal["queues"]}
+        left = {_path(x): await counts.ready(x["vhost"], x["queue"]) for x in journal["queues"]}
     finally:
         await counts.close()
     return {"outcome": "dry-run", "resuming": public(journal), "left": left, "abort": req.abort}
@@ -384,7 +383,7 @@ async def _links_down(sm: Management, journal: dict[str, Any], timeout: float) -
         if time.monotonic() > deadline:
             x = links[0]
             raise OperationFailed(
-                f"federation link {x['upstream']!r} for {x['vhost']}/{x.get('queue') or x.get('exchange')} "
+                f"federation link {x['upstream']!r} for {queue_path(x['vhost'], x.get('queue') or x.get('exchange'))} "
                 f"still {x.get('status')} after {timeout:.0f}s; nothing moved (rerun to continue)"
             )
         await asyncio.sleep(POLL)
@@ -405,7 +404,7 @@ async def _transfer(
     counts = QueueCounts(src_c, req.source)
     try:
         ready = await _left(counts, journal["queues"])
-        todo = [x for x in journal["queues"] if ready[f"{x['vhost']}/{x['queue']}"] > 0]
+        todo = [x for x in journal["queues"] if ready[_path(x)] > 0]
         emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
         progress = _progress(emit, sum(ready.values()))
         if req.engine == "shovel":
@@ -438,7 +437,7 @@ def _progress(emit: Emit, total: int) -> Callable[..., None]:
 
 
 async def _left(counts: QueueCounts, queues: list[dict[str, Any]]) -> dict[str, int]:
-    return {f"{x['vhost']}/{x['queue']}": await counts.ready(x["vhost"], x["queue"]) for x in queues}
+    return {_path(x): await counts.ready(x["vhost"], x["queue"]) for x in queues}
 
 
 async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], progress: Callable[..., None]) -> None:
@@ -494,7 +493,7 @@ def _spark_move(
             {
                 "vhost": x["vhost"],
                 "queue": x["queue"],
-                "ready": ready[f"{x['vhost']}/{x['queue']}"],
+                "ready": ready[_path(x)],
                 "target": x["target"],
                 "target_vhost": x["vhost"],
             }
@@ -504,6 +503,11 @@ def _spark_move(
     )
     report = run_copy(topo, plan, spark())
     return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
+
+
+def _path(x: dict[str, Any]) -> str:
+    """A journal queue's (or a row's) name in messages, events and the counts' keys."""
+    return queue_path(x["vhost"], x["queue"])
 
 
 def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
@@ -547,7 +551,7 @@ async def _shovels(
     created_before = set(journal.setdefault("shovels", []))
     journal.setdefault("possible_duplicates", 0)
     journal["possible_duplicates"] += sum(
-        ready[f"{x['vhost']}/{x['queue']}"] for x in pending if _shovel_name(journal, x) in created_before
+        ready[_path(x)] for x in pending if _shovel_name(journal, x) in created_before
     )
     gone_since: dict[str, float] = {}
     created_at: dict[str, float] = {}
@@ -573,7 +577,7 @@ async def _shovels(
             gone_since.pop(name, None)
             created_at[name] = time.monotonic()
             created += 1
-            emit("shovel", queue=f"{x['vhost']}/{x['queue']}", name=name, active=len(active))
+            emit("shovel", queue=_path(x), name=name, active=len(active))
         await asyncio.sleep(POLL)
         present = {p["name"] for p in await _ferry_shovels(sm, journal)}
         states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
@@ -583,11 +587,11 @@ async def _shovels(
             last_acks = now
             for vhost in {x["vhost"] for x in active.values()}:
                 for item in await sm.get(f"/queues/{q(vhost)}?columns=name,message_stats.ack"):
-                    acks[f"{vhost}/{item['name']}"] = (item.get("message_stats") or {}).get("ack")
+                    acks[queue_path(vhost, item["name"])] = (item.get("message_stats") or {}).get("ack")
         for name, x in list(active.items()):
             left, consumers = await counts.state(x["vhost"], x["queue"])
-            ready[f"{x['vhost']}/{x['queue']}"] = left
-            acked = acks.get(f"{x['vhost']}/{x['queue']}")
+            ready[_path(x)] = left
+            acked = acks.get(_path(x))
             moved = left < fewest.get(name, left + 1) or acked != seen_acks.get(name, acked)  # a reset counts too
             fewest[name], seen_acks[name] = min(left, fewest.get(name, left)), acked
             if moved:
@@ -607,14 +611,14 @@ async def _shovels(
                     pending.append(x)
                     journal["possible_duplicates"] += left  # written before its shovel is created again
                 else:
-                    emit("drained", queue=f"{x['vhost']}/{x['queue']}", active=len(active))
+                    emit("drained", queue=_path(x), active=len(active))
                 continue
             if stalled.get(name, 0.0) > req.stall_timeout:
                 state = states.get((x["vhost"], name), {})
                 said = ": ".join(str(s) for s in (state.get("state", "not listed"), state.get("reason")) if s)
                 said = " ".join(redact(said).split())  # the reason is an Erlang term, printed over lines
                 raise OperationFailed(
-                    f"shovel for {x['vhost']}/{x['queue']} moved no message for {req.stall_timeout:g}s "
+                    f"shovel for {_path(x)} moved no message for {req.stall_timeout:g}s "
                     f"({said if len(said) <= 300 else said[:300] + ' ...'}); "
                     "upstreams stay disabled (rerun to continue, or --abort)"
                 )
@@ -683,7 +687,7 @@ async def _finish(
         await src_counts.close()
         await dst_counts.close()
     if not aborted and any(r["left"] for r in rows):
-        left = ", ".join(f"{r['vhost']}/{r['queue']} ({r['left']:,})" for r in rows if r["left"])
+        left = ", ".join(f"{_path(r)} ({r['left']:,})" for r in rows if r["left"])
         raise OperationFailed(
             f"messages left after the transfer: {left}; the upstreams stay disabled (rerun to continue, or --abort)"
         )

@@ -59,7 +59,7 @@ import httpx
 from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
-from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, q, queue_path
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.ops.journal import Journal, ParamJournal
 from ferry.ops.move import api as js_api
@@ -541,7 +541,7 @@ class RabbitNodes(_Nodes):
         info = await self.m.get(f"/queues/{q(vhost)}/{q(queue)}")
         if info.get("node") != self.erlang[target]:
             raise FerryError(
-                f"{vhost}/{queue} was placed on {info.get('node')}, not {target} "
+                f"{queue_path(vhost, queue)} was placed on {info.get('node')}, not {target} "
                 "(a queue_leader_locator other than client-local?)"
             )
         return info
@@ -589,7 +589,7 @@ class RabbitNodes(_Nodes):
                         raise
         finally:
             await counts.close()
-        raise FerryError(f"{vhost}/{source} keeps receiving messages; relocation to {target} did not finish")
+        raise FerryError(f"{queue_path(vhost, source)} keeps receiving messages; relocation to {target} did not finish")
 
     async def _spark(self) -> Any:
         if self.spark is None:

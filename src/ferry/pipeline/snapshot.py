@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, effective_policy, q
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, effective_policy, q, queue_path
 from ferry.errors import ConfigError, UsageError
 from ferry.pipeline._common import iterate, per_index, rabbit_cluster
 from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy, write_parquet
@@ -89,18 +89,19 @@ async def _queues(
             for item in listed:
                 if not fnmatch.fnmatchcase(item["name"], queue):
                     continue
+                where = queue_path(v, item["name"])
                 limit = (item.get("arguments") or {}).get("x-delivery-limit") or (
                     item.get("effective_policy_definition") or {}
                 ).get("delivery-limit")
                 if limit:
                     raise ConfigError(
-                        f"queue {v}/{item['name']} has a delivery limit ({limit}): a snapshot counts "
+                        f"queue {where} has a delivery limit ({limit}): a snapshot counts "
                         "as a delivery and could dead-letter its messages; refusing"
                     )
                 policy = effective_policy(policies, v, item["name"])
                 if not federated and policy and any(k in policy["definition"] for k in FEDERATION_KEYS):
                     raise ConfigError(
-                        f"queue {v}/{item['name']} is federated (policy {policy['name']!r}): reading it would "
+                        f"queue {where} is federated (policy {policy['name']!r}): reading it would "
                         "pull messages from its upstream into it; --federated to read it all the same"
                     )
                 found.append((v, item["name"]))
