@@ -104,7 +104,7 @@ def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ferry.cli", *args, "--json"], env=env, stdout=out, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-m", "ferry", *args, "--json"], env=env, stdout=out, stderr=subprocess.PIPE, text=True
         )
         with PeakRss(root=proc.pid) as peak:
             _, stderr = proc.communicate()

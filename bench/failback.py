@@ -56,7 +56,7 @@ def load(topology: Path, queues: int, per_queue: int, ledger: Path) -> None:
     import sys
 
     subprocess.run(
-        [sys.executable, "-m", "ferry.cli", "load", f"rabbitmq://ltm/{VHOST}", "--subject", "fed-{n}",
+        [sys.executable, "-m", "ferry", "load", f"rabbitmq://ltm/{VHOST}", "--subject", "fed-{n}",
          "--subjects", str(queues), "--count", str(queues * per_queue), "--producers", "2", "--ledger", str(ledger)],
         env={**os.environ, "FERRY_TOPOLOGY": str(topology)}, check=True, capture_output=True,
     )  # fmt: skip

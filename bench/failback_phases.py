@@ -45,7 +45,7 @@ def main() -> None:
         for run in range(args.runs):
             asyncio.run(bf.reset(topo, queues))
             bf.load(topology, QUEUES, PER_QUEUE, root / f"ledger-{run}")
-            cmd = [sys.executable, "-m", "ferry.cli", "failback", "--from", "ltm", "--to", "pc1"]
+            cmd = [sys.executable, "-m", "ferry", "failback", "--from", "ltm", "--to", "pc1"]
             cmd += ["--engine", "spark", "--json"]
             t0 = time.monotonic()
             env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}

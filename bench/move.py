@@ -75,7 +75,7 @@ async def make(topo: Topology, name: str, prefill: int) -> None:
 def loads(topology: Path, name: str, rate: int, out: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     common = ["--duration", str(LOAD_S), "--rate", str(rate)]
-    ferry = [sys.executable, "-m", "ferry.cli", "load"]
+    ferry = [sys.executable, "-m", "ferry", "load"]
     core = [
         *ferry,
         "nats://west",

@@ -22,7 +22,7 @@ from ferry.pipeline.rabbitmq import snapshot_queue
 from ferry.publish import Publisher
 from ferry.topology import Topology, load_topology
 
-FERRY = [sys.executable, "-m", "ferry.cli"]
+FERRY = [sys.executable, "-m", "ferry"]
 
 
 def ferry(
