@@ -671,14 +671,14 @@ def failback_cmd(
     def spark() -> Any:  # the queue mover reads with no data source
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
-    begun: list[str] = []  # an interrupt after this leaves the failback on record, unfinished
+    begun: dict[str, dict[str, Any]] = {}  # events after which an interrupt leaves the failback on record
     try:
         with contextlib.ExitStack() as stack:
             bar: list[Callable[[int], None]] = []
 
             def emit(event: str, **data: Any) -> None:
-                if event in ("resume", "upstream-disabled") and not abort:
-                    begun.append(event)
+                if event in ("journal", "resume", "upstream-disabled") and not abort:
+                    begun[event] = data
                 if as_json:
                     _json_events(event, **data)
                 elif event == "plan":
@@ -693,12 +693,7 @@ def failback_cmd(
             report = run(failback(topo, req, emit, spark))
     except KeyboardInterrupt:
         if begun:
-            shovels = "its shovels may still move messages, and " if engine == "shovel" else ""
-            err.print(
-                f"the failback from {source} to {target} is on record, unfinished: {shovels}{source}'s federation "
-                "upstreams stay off. Run the same command again to finish it, or add --abort to restore them",
-                highlight=False,
-            )
+            err.print(_failback_interrupted(source, target, engine, begun), highlight=False)
         raise
     if as_json:
         print_json(report)
@@ -767,6 +762,25 @@ def _count(n: int | None) -> str:
 
 def _per_stream(seqs: dict[str, int]) -> str:
     return ", ".join(f"{s} {n:,}" for s, n in seqs.items()) or "none"
+
+
+def _failback_interrupted(source: str, target: str, engine: str, begun: dict[str, dict[str, Any]]) -> str:
+    """What an interrupted failback left, from the events it had emitted (a resumed run's phase)."""
+    phase = begun.get("resume", {}).get("phase")
+    if "upstream-disabled" in begun or phase == "transferring":
+        upstreams = "stay off"
+    elif phase:  # resumed while disabling or restoring them: some may be off
+        upstreams = "may be off"
+    else:
+        upstreams = "are all still on"
+    shovels = (
+        "its shovels may still move messages, and " if engine == "shovel" and upstreams != "are all still on" else ""
+    )
+    return (
+        f"the failback from {source} to {target} is on record, unfinished: {shovels}{source}'s federation "
+        f"upstreams {upstreams}. Run the same command again to finish it, or add --abort to drop it and "
+        "restore its upstreams"
+    )
 
 
 def _print_failback_plan(plan: dict[str, Any]) -> None:

@@ -202,7 +202,10 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     _assert_done(dr)
     # progress starts as the move starts (a progress bar's clock starts there): the rate is the
     # messages moved over the seconds of the move
-    progress = [json.loads(x) for x in result.stderr.splitlines() if x.startswith('{"event": "progress"')]
+    events = [json.loads(x) for x in result.stderr.splitlines() if x.startswith('{"event": ')]
+    names = [e["event"] for e in events]
+    assert names.index("journal") < names.index("upstream-disabled"), names  # on record before anything changes
+    progress = [e for e in events if e["event"] == "progress"]
     first, last = progress[0], progress[-1]
     assert first["moved"] == 0 and last["moved"] == last["total"] == report["total"]["moved"]
     expected = last["moved"] / (last["t"] - first["t"])
@@ -396,6 +399,7 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     base = ("failback", "--from", "ltm", "--to", "pc1")
     code, said = ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology, sig=signal.SIGINT)
     assert code == 130 and "is on record, unfinished" in said and "Run the same command again" in said, said  # Ctrl-C
+    assert "ltm's federation upstreams stay off" in said, said
     view = json.loads(ferry(*base, "--dry-run", "--json", topology=topology, check=True).stdout)
     assert view["resuming"]["phase"] in ("disabling", "transferring") and dr["password"] not in json.dumps(view)
     would = ferry(*base, "--abort", "--dry-run", topology=topology, check=True).stdout

@@ -279,3 +279,22 @@ def test_route_by_a_map_with_an_overlap_is_refused(tmp_path) -> None:
     assert r.stderr.strip() == "error: map 'm': partition 'a' 'a.>' overlaps partition 'b' 'a.x': both own 'a.x'", (
         r.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("engine", "begun", "says"),
+    [
+        ("shovel", {"journal": {}}, "ltm's federation upstreams are all still on."),
+        ("shovel", {"journal": {}, "upstream-disabled": {}}, "its shovels may still move messages, and ltm's"),
+        ("spark", {"resume": {"phase": "transferring"}}, "unfinished: ltm's federation upstreams stay off."),
+        ("spark", {"resume": {"phase": "restoring"}}, "upstreams may be off."),
+    ],
+)
+def test_an_interrupted_failback_says_what_it_left(engine: str, begun: dict, says: str) -> None:
+    """Interrupted after its journal was written but before an upstream was disabled, a failback is
+    on record with every upstream on: it used to print only "interrupted"."""
+    from ferry.cli import _failback_interrupted
+
+    said = _failback_interrupted("ltm", "pc1", engine, begun)
+    assert said.startswith("the failback from ltm to pc1 is on record, unfinished: ") and says in said, said
+    assert said.endswith("or add --abort to drop it and restore its upstreams")

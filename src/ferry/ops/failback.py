@@ -259,6 +259,7 @@ async def failback(
                 journal = {**plan, "phase": "disabling", "host": socket.gethostname()}
                 journal["upstream_queues"] = await _upstream_counts(journal["upstreams"], journal["queues"])
                 await _write_journal(sm, journal)  # before any upstream is deleted
+                emit("journal", id=journal["id"])  # from here on, an interrupted run is on record
             else:
                 _check_resume(journal, req)
                 emit("resume", id=journal["id"], phase=journal["phase"], started=journal["started"])
