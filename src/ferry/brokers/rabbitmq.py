@@ -49,9 +49,9 @@ def q(name: str) -> str:
 
 
 def queue_path(vhost: str, queue: str) -> str:
-    """A queue as ferry names it in messages and events: its ``rabbitmq://`` URI path, vhost
-    URL-encoded (``%2F/orders`` for the default vhost's queue, not ``//orders``)."""
-    return f"{q(vhost)}/{queue}"
+    """A queue as ferry names it in messages and events: VHOST/QUEUE as in a ``rabbitmq://`` URI, the
+    vhost's ``%`` and ``/`` encoded (``%2F/orders`` for the default vhost's queue, not ``//orders``)."""
+    return f"{vhost.replace('%', '%25').replace('/', '%2F')}/{queue}"
 
 
 class Management:
