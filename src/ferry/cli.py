@@ -1093,7 +1093,10 @@ def snapshot_cmd(
     from ferry.pipeline.spark import get_session
 
     topo = _topology(topology)
-    spark = get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot", data_sources=False)
+
+    def spark() -> Any:
+        return get_session(master=spark_master, remote=spark_remote, app_name="ferry snapshot", data_sources=False)
+
     if source.startswith("jetstream:"):  # a stream's readers count what they got
         result = snapshot(
             topo, spark, source, out_dir, federated, progress=lambda n: _progress(n, "snapshot", enabled=not as_json)

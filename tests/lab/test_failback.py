@@ -19,9 +19,11 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.errors import ConfigError
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.pipeline.rabbitmq import headers_from_json
+from ferry.pipeline.snapshot import snapshot
 from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import ferry, ferry_killed_when, judge, queue_depth, wait_for
@@ -430,6 +432,8 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         assert sorted((x["queue"], x["before"]) for x in plan["queues"]) == [("fed-0", 30), ("fed-1", 30)]
         snap = ferry("snapshot", "rabbitmq://ltm/%2F/fed-0", "--out", str(rabbit_dr.path / "s"), topology=topology)
         assert snap.returncode != 0 and snap.stderr.startswith("error: queue %2F/fed-0 is federated"), snap.stderr
+        with pytest.raises(ConfigError, match="is federated"):  # refused before a Spark session is asked for
+            snapshot(topo, lambda: pytest.fail("Spark started"), "rabbitmq://ltm/%2F/fed-0", rabbit_dr.path / "s")
         report = json.loads(ferry(*args, topology=topology, check=True).stdout)
         assert report["total"]["moved"] == 60 and report["upstream_pulled"] == 0
     finally:

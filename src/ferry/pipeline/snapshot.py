@@ -36,7 +36,7 @@ __all__ = ["snapshot"]
 
 def snapshot(
     topology: Topology,
-    spark: Any,
+    spark: Callable[[], Any],
     source: str,
     out: Path,
     federated: bool = False,
@@ -44,14 +44,16 @@ def snapshot(
 ) -> dict[str, Any]:
     """What a stream or queues hold, into Parquet at `out`. A federated queue is refused unless
     `federated`: reading it pulls messages from its upstream into it. A stream's snapshot is
-    reported to what `progress(messages planned)` gives (it is called with the messages read)."""
+    reported to what `progress(messages planned)` gives (it is called with the messages read).
+    `spark()` gives the session, asked for once the source is known good: bad input is refused
+    without starting a JVM."""
     src = parse_uri(source)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"snapshot directory {out} is not empty")
     if src.kind == "jetstream":
         plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions())
         with progress(plan.messages) if progress else contextlib.nullcontext() as advance:
-            report = run_copy(topology, plan, spark, advance)
+            report = run_copy(topology, plan, spark(), advance)
         return {"source": source, "out": str(out), "messages": report.read, "seconds": round(report.seconds, 2)}
     if src.kind != "rabbitmq":
         raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
@@ -65,12 +67,12 @@ def snapshot(
         vhost, queue = queues[i]
         return iterate(snapshot_queue(rabbit_cluster(cluster_json), name, vhost, queue))
 
-    count, _ = write_parquet(per_index(spark, len(queues), read, SPARK_DDL), out)
+    count, _ = write_parquet(per_index(spark(), len(queues), read, SPARK_DDL), out)
     return {
         "source": source,
         "out": str(out),
         "messages": count,
-        "queues": [f"{v}/{qn}" for v, qn in queues],
+        "queues": [queue_path(v, qn) for v, qn in queues],
         "note": "queues were read and requeued: their messages now carry the redelivered flag",
     }
 
