@@ -340,12 +340,18 @@ def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab
     does not exist and another map may claim the subjects."""
     topology = supercluster.path / "topology.yaml"
     north = write_map(
-        tmp_path / "north.yaml", "pn", [{"name": "n", "stream": "PT_NORTH", "cluster": "north", "patterns": ["ptn.>"]}]
+        tmp_path / "north.yaml",
+        "pn",
+        [
+            {"name": "k", "stream": "PT_KEPT", "cluster": "east", "patterns": ["ptk.>"]},
+            {"name": "n", "stream": "PT_NORTH", "cluster": "north", "patterns": ["ptn.>"]},
+        ],
     )
     r = ferry("partition", "apply", str(north), topology=topology)
     assert r.returncode == 1, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]
     assert said.startswith("error: map 'pn' not applied, its claim withdrawn") and "PT_NORTH" in said, said
+    assert said.endswith("; changed before that, and left so: created PT_KEPT"), said  # the stream it did make
     r = ferry("partition", "route", "ptn.1", topology=topology)
     assert r.returncode == 1 and "ptn.1" in r.stderr, (r.stdout, r.stderr)
     east = write_map(
@@ -358,6 +364,6 @@ def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab
     async def clean() -> None:
         async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
             assert "pn" not in (await pt.read_claims(nc))["maps"]
-            await forget(nc, ["pe"], ["PT_EASTN", "PT_NORTH"])
+            await forget(nc, ["pe"], ["PT_EASTN", "PT_NORTH", "PT_KEPT"])
 
     asyncio.run(clean())

@@ -541,15 +541,28 @@ async def _put_stream(nc: Client, cfg: dict[str, Any], exists: bool) -> None:
     await mv.api(nc, f"$JS.API.STREAM.{verb}.{cfg['name']}", cfg, timeout=10)
 
 
-async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: frozenset[str] = frozenset()) -> None:
+async def _converge(
+    nc: Client,
+    pmap: PartitionMap,
+    p: dict[str, Any],
+    staged: frozenset[str] = frozenset(),
+    changed: list[str] | None = None,
+) -> None:
     """Give every stream its planned subjects. Subjects another stream takes over are removed
     first (JetStream refuses overlapping streams), then every partition gets its patterns in
-    one update (`staged` streams keep their staging subject)."""
+    one update (`staged` streams keep their staging subject). Each change made is added to
+    `changed` ("created S", "updated S"), for an error part-way to name."""
+    changed = [] if changed is None else changed
+
+    async def put(cfg: dict[str, Any], update: bool) -> None:
+        await _put_stream(nc, cfg, update)
+        changed.append(f"{'updated' if update else 'created'} {cfg['name']}")
+
     streams = await list_streams(nc)
     index = pmap.index()
     for r in p["retire"]:
         if r["stream"] in streams:
-            await _put_stream(nc, dict(streams[r["stream"]]["config"], subjects=r["keeps"]), True)
+            await put(dict(streams[r["stream"]]["config"], subjects=r["keeps"]), True)
     for part in pmap.partitions:
         s = streams.get(part.stream)
         if not s:
@@ -557,9 +570,7 @@ async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: f
         old = _patterns_of(s["config"])
         keep = [q for q in old if all(o.stream == part.stream for o, _ in index.overlapping(q))]
         if keep != old:  # a stream needs a subject: the staging one stands in when none is left
-            await _put_stream(
-                nc, _stream_config(part, s["config"], keep, stage=part.stream in staged or not keep), True
-            )
+            await put(_stream_config(part, s["config"], keep, stage=part.stream in staged or not keep), True)
     streams = await list_streams(nc)
     for part in pmap.partitions:
         s = streams.get(part.stream)
@@ -567,7 +578,7 @@ async def _converge(nc: Client, pmap: PartitionMap, p: dict[str, Any], staged: f
         if s is None or any(
             cfg.get(k) != s["config"].get(k) for k in ("subjects", "num_replicas", "subject_transform")
         ):
-            await _put_stream(nc, cfg, s is not None)
+            await put(cfg, s is not None)
 
 
 async def _verify(nc: Client, pmap: PartitionMap) -> list[str]:
@@ -634,11 +645,13 @@ async def apply(
         else:
             claimed = await claim(kv, pmap, seen)
             emit("claimed", map=pmap.name)
+            changed: list[str] = []
             try:
-                await _converge(nc, pmap, p)
+                await _converge(nc, pmap, p, changed=changed)
             except FerryError as exc:  # a stream the server would not make (an unknown cluster): no claim stays
                 await unclaim(kv, pmap, claimed, seen)
-                raise OperationFailed(f"map {pmap.name!r} not applied, its claim withdrawn: {exc}") from None
+                made = f"; changed before that, and left so: {', '.join(changed)}" if changed else ""
+                raise OperationFailed(f"map {pmap.name!r} not applied, its claim withdrawn: {exc}{made}") from None
             result = {}
         problems = await _verify(nc, pmap)
         if problems:
