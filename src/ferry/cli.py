@@ -399,7 +399,7 @@ def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[
         yield lambda _: None
         return
     columns = [
-        TextColumn(what),
+        TextColumn("{task.description}"),  # `what` as text: a subject's braces or brackets are no format
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"),
@@ -409,7 +409,7 @@ def _progress(total: int, what: str, enabled: bool = True) -> Iterator[Callable[
     ]
     t0 = time.monotonic()
     with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task(what, total=total or None, rate="")
+        task = bar.add_task(escape(what), total=total or None, rate="")
 
         def advance(done: int) -> None:
             rate = done / max(1e-6, time.monotonic() - t0)
@@ -920,8 +920,24 @@ def partition_apply(
 
     pmap = pt.load_map(file)
     topo = _topology(topology)
-    emit = _json_events if as_json else _print_partition_event
-    result = run(pt.apply(topo, _via(topo, via), pmap, execute=execute, dry_run=dry_run, force=force, emit=emit))
+    with contextlib.ExitStack() as bar:  # a progress bar while a moving pattern's history is copied
+        advance: list[Callable[[int], None]] = []
+
+        def emit(event: str, **data: Any) -> None:
+            if as_json:
+                _json_events(event, **data)
+            elif event == "copying":
+                if not advance:
+                    what = f"copying {data['pattern']} {data['from']} -> {data['to']}"
+                    advance.append(bar.enter_context(_progress(data["total"], what)))
+                advance[0](data["messages"])
+            else:
+                if advance:  # one live display at a time: the copy's bar ends before what follows it
+                    bar.close()
+                    advance.clear()
+                _print_partition_event(event, **data)
+
+        result = run(pt.apply(topo, _via(topo, via), pmap, execute=execute, dry_run=dry_run, force=force, emit=emit))
     if as_json:
         print_json(result)
     elif dry_run:

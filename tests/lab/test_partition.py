@@ -224,6 +224,11 @@ def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, 
     result = json.loads(r.stdout)
     assert result["purged"] == result["copied"] > 2000
     assert result["guard"]["SPLIT_US"]["captured"] > 0  # the switch happened under load
+    events = [json.loads(x) for x in r.stderr.splitlines() if x.startswith('{"event": ')]
+    (copied,) = [e for e in events if e["event"] == "copied"]
+    last = [e for e in events if e["event"] == "copying"][-1]  # the history's copy reports its progress
+    # (its total is the plan's estimate: the stream's count in proportion to the copied range)
+    assert last["messages"] == copied["messages"] > 2000 and last["total"] > 2000, json.dumps([last, copied])
     us = judge(spark, topology, led / "us", "jetstream://east/SPLIT_US", tmp_path / "us.html")
     eu = judge(spark, topology, led / "eu", "jetstream://east/SPLIT", tmp_path / "eu.html")
     for t in (us, eu):

@@ -684,8 +684,9 @@ async def _forward(cluster_json: str, via: str, move: dict[str, Any], lo: int, h
     return counts.rows, counts.duplicates
 
 
-def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> tuple[int, int]:
-    """The history of one moving pattern, copied by the data plane (a Spark job): rows, duplicates."""
+def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int, emit: Emit) -> tuple[int, int]:
+    """The history of one moving pattern, copied by the data plane (a Spark job): rows, duplicates.
+    Its progress is emitted as "copying" events (messages the new owner gained, about every 0.5 s)."""
     from urllib.parse import quote
 
     from ferry.pipeline.copy import CopyOptions, plan_copy, run_copy
@@ -695,7 +696,8 @@ def _spark_copy(topo: Topology, via: str, move: dict[str, Any], hi: int) -> tupl
     opts = CopyOptions(mode="parallel", partitions=1, subject_prefix=stage_subject(move["to"]) + ".")
     copy_plan = plan_copy(topo, src, f"jetstream://{via}/{move['to']}", opts)
     spark = get_session(app_name="ferry partition", data_sources=False)
-    report = run_copy(topo, copy_plan, spark)
+    what = {k: move[k] for k in ("from", "to", "pattern")}
+    report = run_copy(topo, copy_plan, spark, lambda n: emit("copying", **what, messages=n, total=copy_plan.messages))
     return report.read, report.duplicates
 
 
@@ -745,7 +747,7 @@ async def _repartition(
     for i, m in enumerate(moves):
         hi = await _last_seq(nc, m["from"])
         if await stored_count(nc, m["from"], m["pattern"]):
-            rows, dup = await asyncio.to_thread(_spark_copy, topo, via, m, hi)
+            rows, dup = await asyncio.to_thread(_spark_copy, topo, via, m, hi, emit)
             copied[i] += rows
             dups[i] += dup
         done[i] = hi
