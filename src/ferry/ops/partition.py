@@ -650,7 +650,7 @@ async def apply(
                 await _converge(nc, pmap, p, changed=changed)
             except FerryError as exc:  # a stream the server would not make (an unknown cluster): no claim stays
                 await unclaim(kv, pmap, claimed, seen)
-                made = f"; changed before that, and left so: {', '.join(changed)}" if changed else ""
+                made = f"; changed before that, and left so: {', '.join(dict.fromkeys(changed))}" if changed else ""
                 raise OperationFailed(f"map {pmap.name!r} not applied, its claim withdrawn: {exc}{made}") from None
             result = {}
         problems = await _verify(nc, pmap)
