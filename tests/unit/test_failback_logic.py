@@ -32,3 +32,15 @@ def test_passwords_never_printed() -> None:
     plan = {"upstreams": [{"vhost": "/", "name": "art", "value": {"uri": ["amqp://a:pw@h", "amqp://b:pw2@h2"]}}]}
     shown = public(plan)
     assert "pw" not in str(shown) and plan["upstreams"][0]["value"]["uri"][0] == "amqp://a:pw@h"  # journal intact
+
+
+def test_a_queue_is_named_by_its_uri_path() -> None:
+    """Messages and events name a queue VHOST/QUEUE with each part's % and / encoded: the default
+    vhost's queue is %2F/orders (it printed as //orders), and the name splits back into its parts."""
+    from urllib.parse import unquote
+
+    from ferry.brokers.rabbitmq import queue_path
+
+    assert queue_path("/", "orders") == "%2F/orders"
+    assert queue_path("fb /#%ü", "fed q/0#ü") == "fb %2F#%25ü/fed q%2F0#ü"
+    assert [unquote(p) for p in queue_path("a/%2F", "c%d/e").split("/")] == ["a/%2F", "c%d/e"]

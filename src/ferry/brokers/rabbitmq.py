@@ -49,9 +49,10 @@ def q(name: str) -> str:
 
 
 def queue_path(vhost: str, queue: str) -> str:
-    """A queue as ferry names it in messages and events: VHOST/QUEUE as in a ``rabbitmq://`` URI, the
-    vhost's ``%`` and ``/`` encoded (``%2F/orders`` for the default vhost's queue, not ``//orders``)."""
-    return f"{vhost.replace('%', '%25').replace('/', '%2F')}/{queue}"
+    """A queue as ferry names it in messages and events: VHOST/QUEUE, each part's ``%`` and ``/``
+    encoded as in a ``rabbitmq://`` URI (``%2F/orders`` for the default vhost's queue, not
+    ``//orders``); other characters stay as they are, to be read."""
+    return "/".join(part.replace("%", "%25").replace("/", "%2F") for part in (vhost, queue))
 
 
 class Management:

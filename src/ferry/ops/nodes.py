@@ -84,7 +84,8 @@ class Asset:
 
     @property
     def label(self) -> str:
-        return f"{self.account}/{self.stream}" + (f"/{self.consumer}" if self.consumer else "")
+        """ACCOUNT/STREAM[/CONSUMER], or a RabbitMQ queue's VHOST/QUEUE (its `queue_path`)."""
+        return queue_path(self.account, self.stream) + (f"/{self.consumer}" if self.consumer else "")
 
 
 @dataclass
