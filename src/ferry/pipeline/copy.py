@@ -439,8 +439,14 @@ def run_copy(
 ) -> CopyReport:
     report = CopyReport(plan.as_dict())
     t0 = time.monotonic()
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(topology, plan, progress, stop), daemon=True) if progress else None
+    stop, lock = threading.Event(), threading.Lock()
+
+    def watched(n: int) -> None:  # nothing from a watcher still polling once the copy has ended
+        with lock:
+            if progress and not stop.is_set():
+                progress(n)
+
+    watcher = threading.Thread(target=_watch, args=(topology, plan, watched, stop), daemon=True) if progress else None
     if watcher:
         watcher.start()
     try:
@@ -451,7 +457,8 @@ def run_copy(
     except Exception as exc:
         raise spark_error(exc) from None
     finally:
-        stop.set()
+        with lock:
+            stop.set()
         if watcher:
             watcher.join(timeout=5)
     report.seconds = time.monotonic() - t0
