@@ -44,7 +44,7 @@ from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.topology import Topology, load_topology
 
-FERRY = [sys.executable, "-c", "from ferry.cli import main; main()"]
+FERRY = [sys.executable, "-m", "ferry"]
 NODES = ("east-1", "east-2", "east-3")
 
 

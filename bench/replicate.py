@@ -54,7 +54,7 @@ from ferry.ops.move import _ts_ns, stream_info
 from ferry.pipeline.jetstream import Range, ReadConfig, read_range
 from ferry.topology import Topology, load_topology
 
-FERRY = [sys.executable, "-c", "from ferry.cli import main; main()"]
+FERRY = [sys.executable, "-m", "ferry"]
 
 
 def run_ferry(topology: Path, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:

@@ -227,7 +227,7 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
         "clusters": lb,
     }
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "FERRY_TOPOLOGY": str(pdir / "topology.yaml")}
-    serve = [sys.executable, "-c", "from ferry.cli import main; main()", "serve", "--port", str(serve_port)]
+    serve = [sys.executable, "-m", "ferry", "serve", "--port", str(serve_port)]
     state.procs += [
         Proc(
             name="ferry-serve",
