@@ -299,7 +299,7 @@ def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_swi
     """PT_MB owns ptm.>; ptm.eu.> is split off to PT_MA, and at once merged back. PT_MB's duplicate
     window still holds the msg ids of the eu messages it held a moment ago, so it drops every
     copy. The merge finds that out before it switches owners, purges the copies it staged (and
-    nothing of PT_MB's own us messages), puts the claim back and says when to apply again. It
+    nothing of PT_MB's own us messages), puts the claim back and says when to run the same command again. It
     used to switch, leaving the eu messages outside every stream's subjects."""
     topology = supercluster.path / "topology.yaml"
     a = {"name": "a", "stream": "PT_MA", "cluster": "east", "replicas": 1}
@@ -356,7 +356,7 @@ def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab
     assert r.returncode == 1, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]
     assert said.startswith("error: map 'pn' not applied, its claim withdrawn") and "PT_NORTH" in said, said
-    assert said.endswith("; changed before that, and left so: created PT_KEPT"), said  # the stream it did make
+    assert said.endswith("; done before that, and kept: created PT_KEPT (a corrected map applied again takes it over)")
     r = ferry("partition", "route", "ptn.1", topology=topology)
     assert r.returncode == 1 and "ptn.1" in r.stderr, (r.stdout, r.stderr)
     east = write_map(

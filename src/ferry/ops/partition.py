@@ -556,7 +556,8 @@ async def _converge(
 
     async def put(cfg: dict[str, Any], update: bool) -> None:
         await _put_stream(nc, cfg, update)
-        changed.append(f"{'updated' if update else 'created'} {cfg['name']}")
+        if (done := f"{'updated' if update else 'created'} {cfg['name']}") not in changed:
+            changed.append(done)
 
     streams = await list_streams(nc)
     index = pmap.index()
@@ -650,7 +651,12 @@ async def apply(
                 await _converge(nc, pmap, p, changed=changed)
             except FerryError as exc:  # a stream the server would not make (an unknown cluster): no claim stays
                 await unclaim(kv, pmap, claimed, seen)
-                made = f"; changed before that, and left so: {', '.join(dict.fromkeys(changed))}" if changed else ""
+                made = (
+                    f"; done before that, and kept: {', '.join(changed)} (a corrected map applied again takes "
+                    f"{'them' if len(changed) > 1 else 'it'} over)"
+                    if changed
+                    else ""
+                )
                 raise OperationFailed(f"map {pmap.name!r} not applied, its claim withdrawn: {exc}{made}") from None
             result = {}
         problems = await _verify(nc, pmap)
