@@ -671,14 +671,14 @@ def failback_cmd(
     def spark() -> Any:  # the queue mover reads with no data source
         return get_session(master=spark_master, remote=spark_remote, app_name="ferry failback", data_sources=False)
 
-    begun: dict[str, dict[str, Any]] = {}  # events after which an interrupt leaves the failback on record
+    begun: list[tuple[str, dict[str, Any]]] = []  # from the journal on: what an interrupt leaves on record
     try:
         with contextlib.ExitStack() as stack:
             bar: list[Callable[[int], None]] = []
 
             def emit(event: str, **data: Any) -> None:
-                if event in ("journal", "resume", "upstream-disabled") and not abort:
-                    begun[event] = data
+                if event in ("journal", "resume", "upstream-disabled", "upstream-restored") and not abort:
+                    begun.append((event, data))
                 if as_json:
                     _json_events(event, **data)
                 elif event == "plan":
@@ -764,22 +764,20 @@ def _per_stream(seqs: dict[str, int]) -> str:
     return ", ".join(f"{s} {n:,}" for s, n in seqs.items()) or "none"
 
 
-def _failback_interrupted(source: str, target: str, engine: str, begun: dict[str, dict[str, Any]]) -> str:
-    """What an interrupted failback left, from the events it had emitted (a resumed run's phase)."""
-    phase = begun.get("resume", {}).get("phase")
-    if "upstream-disabled" in begun or phase == "transferring":
-        upstreams = "stay off"
-    elif phase:  # resumed while disabling or restoring them: some may be off
-        upstreams = "may be off"
-    else:
-        upstreams = "are all still on"
-    shovels = (
-        "its shovels may still move messages, and " if engine == "shovel" and upstreams != "are all still on" else ""
+def _failback_interrupted(source: str, target: str, engine: str, begun: list[tuple[str, dict[str, Any]]]) -> str:
+    """What an interrupted failback left on record, from the events it had emitted since its
+    journal was written (a new run's "journal", a resumed run's "resume" and its phase)."""
+    record = next(d for e, d in begun if e in ("journal", "resume"))
+    phase = record.get("phase", "disabling")
+    names = [e for e, _ in begun]
+    off = "upstream-restored" not in names and (
+        phase in ("transferring", "restoring") or names.count("upstream-disabled") >= record["upstreams"]
     )
+    shovels = "its shovels may still move messages, and " if off and engine == "shovel" else ""
     return (
         f"the failback from {source} to {target} is on record, unfinished: {shovels}{source}'s federation "
-        f"upstreams {upstreams}. Run the same command again to finish it, or add --abort to drop it and "
-        "restore its upstreams"
+        f"upstreams {'stay off' if off else 'may be partly off'}. Run the same command again to finish it, "
+        "or add --abort to drop it and restore its upstreams"
     )
 
 

@@ -19,11 +19,9 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.errors import ConfigError
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.pipeline.rabbitmq import headers_from_json
-from ferry.pipeline.snapshot import snapshot
 from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import ferry, ferry_killed_when, judge, queue_depth, wait_for
@@ -401,7 +399,8 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     base = ("failback", "--from", "ltm", "--to", "pc1")
     code, said = ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology, sig=signal.SIGINT)
     assert code == 130 and "is on record, unfinished" in said and "Run the same command again" in said, said  # Ctrl-C
-    assert "ltm's federation upstreams stay off" in said, said
+    # all gone at the broker, but the last delete's answer may not have reached ferry before the signal
+    assert re.search(r"ltm's federation upstreams (stay off|may be partly off)\. ", said), said
     view = json.loads(ferry(*base, "--dry-run", "--json", topology=topology, check=True).stdout)
     assert view["resuming"]["phase"] in ("disabling", "transferring") and dr["password"] not in json.dumps(view)
     would = ferry(*base, "--abort", "--dry-run", topology=topology, check=True).stdout
@@ -430,10 +429,12 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         args = ("failback", "--from", "ltm", "--to", "pc1", "--vhost", "/", "--json")
         plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["plan"]
         assert sorted((x["queue"], x["before"]) for x in plan["queues"]) == [("fed-0", 30), ("fed-1", 30)]
-        snap = ferry("snapshot", "rabbitmq://ltm/%2F/fed-0", "--out", str(rabbit_dr.path / "s"), topology=topology)
+        # refused before a Spark session is asked for (this one's server does not exist)
+        no_spark = ("--spark-remote", "sc://127.0.0.1:9")
+        snap = ferry(
+            "snapshot", "rabbitmq://ltm/%2F/fed-0", "--out", str(rabbit_dr.path / "s"), *no_spark, topology=topology
+        )
         assert snap.returncode != 0 and snap.stderr.startswith("error: queue %2F/fed-0 is federated"), snap.stderr
-        with pytest.raises(ConfigError, match="is federated"):  # refused before a Spark session is asked for
-            snapshot(topo, lambda: pytest.fail("Spark started"), "rabbitmq://ltm/%2F/fed-0", rabbit_dr.path / "s")
         report = json.loads(ferry(*args, topology=topology, check=True).stdout)
         assert report["total"]["moved"] == 60 and report["upstream_pulled"] == 0
     finally:

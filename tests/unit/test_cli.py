@@ -284,17 +284,32 @@ def test_route_by_a_map_with_an_overlap_is_refused(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("engine", "begun", "says"),
     [
-        ("shovel", {"journal": {}}, "ltm's federation upstreams are all still on."),
-        ("shovel", {"journal": {}, "upstream-disabled": {}}, "its shovels may still move messages, and ltm's"),
-        ("spark", {"resume": {"phase": "transferring"}}, "unfinished: ltm's federation upstreams stay off."),
-        ("spark", {"resume": {"phase": "restoring"}}, "upstreams may be off."),
+        ("shovel", [("journal", {"upstreams": 2})], "unfinished: ltm's federation upstreams may be partly off."),
+        ("shovel", [("journal", {"upstreams": 2}), ("upstream-disabled", {})], "unfinished: ltm's federation ups"),
+        (
+            "shovel",
+            [("journal", {"upstreams": 2}), ("upstream-disabled", {}), ("upstream-disabled", {})],
+            "unfinished: its shovels may still move messages, and ltm's federation upstreams stay off.",
+        ),
+        (
+            "spark",
+            [("resume", {"phase": "transferring", "upstreams": 1})],
+            "unfinished: ltm's federation upstreams stay off.",
+        ),
+        ("spark", [("resume", {"phase": "disabling", "upstreams": 3})], "upstreams may be partly off."),
+        (
+            "spark",
+            [("resume", {"phase": "restoring", "upstreams": 2}), ("upstream-restored", {})],
+            "upstreams may be partly off.",
+        ),
     ],
 )
-def test_an_interrupted_failback_says_what_it_left(engine: str, begun: dict, says: str) -> None:
-    """Interrupted after its journal was written but before an upstream was disabled, a failback is
-    on record with every upstream on: it used to print only "interrupted"."""
+def test_an_interrupted_failback_says_what_it_left(engine: str, begun: list, says: str) -> None:
+    """Interrupted after its journal was written, a failback is on record: it used to print only
+    "interrupted" until an upstream was disabled, and "stay off" once one of several was."""
     from ferry.cli import _failback_interrupted
 
     said = _failback_interrupted("ltm", "pc1", engine, begun)
     assert said.startswith("the failback from ltm to pc1 is on record, unfinished: ") and says in said, said
     assert said.endswith("or add --abort to drop it and restore its upstreams")
+    assert ("stay off" in said) == ("upstreams stay off" in says), said

@@ -259,10 +259,17 @@ async def failback(
                 journal = {**plan, "phase": "disabling", "host": socket.gethostname()}
                 journal["upstream_queues"] = await _upstream_counts(journal["upstreams"], journal["queues"])
                 await _write_journal(sm, journal)  # before any upstream is deleted
-                emit("journal", id=journal["id"])  # from here on, an interrupted run is on record
+                # from here on, an interrupted run is on record
+                emit("journal", id=journal["id"], upstreams=len(journal["upstreams"]))
             else:
                 _check_resume(journal, req)
-                emit("resume", id=journal["id"], phase=journal["phase"], started=journal["started"])
+                emit(
+                    "resume",
+                    id=journal["id"],
+                    phase=journal["phase"],
+                    started=journal["started"],
+                    upstreams=len(journal["upstreams"]),
+                )
             if req.abort:
                 return await _finish(sm, src_c, dst_c, journal, req, emit, aborted=True)
             if req.engine == "spark" and journal["phase"] in ("disabling", "transferring"):

@@ -52,8 +52,9 @@ def snapshot(
         raise ConfigError(f"snapshot directory {out} is not empty")
     if src.kind == "jetstream":
         plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions())
+        session = spark()  # before the bar: its clock and rate count the copy, not the JVM's start
         with progress(plan.messages) if progress else contextlib.nullcontext() as advance:
-            report = run_copy(topology, plan, spark(), advance)
+            report = run_copy(topology, plan, session, advance)
         return {"source": source, "out": str(out), "messages": report.read, "seconds": round(report.seconds, 2)}
     if src.kind != "rabbitmq":
         raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
