@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ferry.cli import _event_line, app
+from tests.helpers import FERRY
 from tests.unit.test_topology import VALID
 
 
@@ -26,7 +27,7 @@ from tests.unit.test_topology import VALID
 )
 def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: str) -> None:
     """The real entry point, not typer's test runner."""
-    r = subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*FERRY, *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r
     assert len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and not r.stdout
@@ -40,9 +41,7 @@ def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, optio
     topo = tmp_path / "t.yaml"
     topo.write_text(VALID)
     args = ["load", "nats://east", "--ledger", str(tmp_path / "ledger"), "--count", "5", option, value]
-    r = subprocess.run(
-        [sys.executable, "-m", "ferry", *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60
-    )
+    r = subprocess.run([*FERRY, *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and option in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "ledger").exists()
 
@@ -52,9 +51,7 @@ def test_a_nats_load_target_with_a_stream_in_it_is_refused(tmp_path) -> None:
     topo = tmp_path / "t.yaml"
     topo.write_text(VALID)
     args = ["load", "jetstream://east/ORDERS", "--subject", "o.{n}", "--count", "5", "--ledger", str(tmp_path / "l")]
-    r = subprocess.run(
-        [sys.executable, "-m", "ferry", *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60
-    )
+    r = subprocess.run([*FERRY, *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "'jetstream://east/ORDERS': jetstream://CLUSTER takes no path" in r.stderr, r.stderr
     assert not (tmp_path / "l").exists()
@@ -68,7 +65,7 @@ def test_an_audit_input_that_is_not_parquet_is_one_line(tmp_path, broken: str) -
     (bad / "notes.txt").write_text("not a table")
     ledger, tier = (bad, tier) if broken == "ledger" else (ledger, bad)
     args = ["audit", "--ledger", str(ledger), "--tier", f"t={tier}", "--html", str(tmp_path / "r.html")]
-    r = subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*FERRY, *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"error: {broken} '{bad}' is not Parquet") and not (tmp_path / "r.html").exists()
 
@@ -94,7 +91,7 @@ def test_a_ledger_for_a_snapshot_or_an_empty_directory_is_named_before_spark_run
         (["--ledger", str(ledger), "--tier", f"t={ledger}"], f"tier '{ledger}' is not a snapshot (`ferry snapshot`)"),
         (["--ledger", str(tmp_path / "empty"), "--tier", f"t={tier}"], "holds no Parquet file"),
     ]
-    audit = [sys.executable, "-m", "ferry", "audit"]
+    audit = [*FERRY, "audit"]
     for args, expected in cases:
         r = subprocess.run([*audit, *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
@@ -118,7 +115,7 @@ def test_one_load_given_twice_or_one_tier_name_twice_is_refused_before_spark_run
         (["--ledger", str(ledger), "--ledger", str(tmp_path / "copy"), "--tier", f"t={tier}"], "both hold load r1"),
         (["--ledger", str(ledger), "--tier", f"t={tier}", "--tier", f"t={tier}"], "--tier t: given twice"),
     ]
-    audit = [sys.executable, "-m", "ferry", "audit", "--html", str(tmp_path / "r.html")]
+    audit = [*FERRY, "audit", "--html", str(tmp_path / "r.html")]
     for args, expected in cases:
         r = subprocess.run([*audit, *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
@@ -166,9 +163,6 @@ def test_version() -> None:
 def test_ctrl_c_while_the_command_line_loads_is_one_line() -> None:
     """The `ferry` script's entry point catches a Ctrl-C during its imports (about a second): the
     interrupt is sent as the import of ferry.cli begins, where a user's Ctrl-C lands."""
-    import subprocess
-    import sys
-
     script = """
 import os, signal, sys
 class Interrupt:
@@ -251,7 +245,7 @@ def test_a_command_after_an_interrupted_one_may_start_spark_jobs() -> None:
 def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
     """A directory for a file (OSError): one line, exit 1; an HTML report's missing directory is
     found before the audit's Spark job, not after it."""
-    cli = [sys.executable, "-m", "ferry"]
+    cli = FERRY
     r = subprocess.run([*cli, "topology", "check", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip() == f"error: Is a directory: {tmp_path}", r.stderr
     ledger, tier = audit_inputs(tmp_path)
@@ -270,7 +264,7 @@ def test_route_by_a_map_with_an_overlap_is_refused(tmp_path) -> None:
         "  - {name: b, stream: B, patterns: ['a.x']}\n"
     )
     r = subprocess.run(
-        [sys.executable, "-m", "ferry", "partition", "route", "a.x", "--map", str(m)],
+        [*FERRY, "partition", "route", "a.x", "--map", str(m)],
         capture_output=True,
         text=True,
         timeout=60,
