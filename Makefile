@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 # Debian packages the lab and tests need (installed with apt-get when missing; needs root).
 DEBS  := rabbitmq-server haproxy chromium nats-server
 
-.PHONY: setup system-packages demo test lint bench clean
+.PHONY: setup system-packages demo test test-fast lint bench clean
 
 setup: $(STAMP) system-packages
-	$(PY) -m ferry.pipeline.spark
+	$(PY) -m ferry.spark.session
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,9 +31,14 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
-lint: setup
+# what needs no server and no Spark (marks `lab` and `spark` are enforced at collection): under a minute
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not lab and not spark"
+
+lint: $(STAMP)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/lint-imports  # the layers of docs/architecture.md
 
 bench: setup
 	@for b in $(basename $(notdir $(filter-out bench/_% bench/__init__.py,$(wildcard bench/*.py)))); do \

@@ -58,8 +58,8 @@ def generate(root: Path, n: int) -> None:
 
 
 def run_spark(root: Path) -> dict[str, Any]:
-    from ferry.pipeline.audit import audit
-    from ferry.pipeline.spark import get_session
+    from ferry.jobs.proof.audit import audit
+    from ferry.spark.session import get_session
 
     spark = get_session(app_name="bench audit", light_jvm=False, **{"spark.driver.memory": "6g"})
     t0 = time.monotonic()

@@ -35,10 +35,10 @@ from typing import Any
 from bench._util import PeakRss, mb, run_ferry, save_rows, tree
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats.publish import Publisher
 from ferry.brokers.rabbitmq import Management, q
-from ferry.pipeline._amqp import Connection
-from ferry.pipeline.rabbitmq import raw_connect, row_header
-from ferry.publish import Publisher
+from ferry.brokers.rabbitmq.queue_io import row_header
+from ferry.brokers.rabbitmq.wire import Connection, raw_connect
 from ferry.topology import Topology, load_topology
 
 QUEUES = [f"bench-{i}" for i in range(10)]

@@ -36,9 +36,10 @@ from typing import Any
 from bench._util import run_ferry, save_rows
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, q
+from ferry.brokers.rabbitmq.wire import QueueCounts
+from ferry.jobs.dr_failback.engines import shovel_definition
+from ferry.jobs.dr_failback.plan import FailbackRequest
 from ferry.lab.scenarios import dr_federation
-from ferry.ops.failback import FailbackRequest, shovel_definition
-from ferry.pipeline._amqp import QueueCounts
 from ferry.topology import Topology, load_topology
 
 VHOST = "bench"

@@ -24,9 +24,9 @@ from nats.js.api import Placement, StreamConfig
 
 from ferry import lab
 from ferry.brokers import nats as bnats
-from ferry.pipeline._nats import wire
-from ferry.pipeline.jetstream import Range, ReadConfig, read_range, stream_states
-from ferry.publish import BatchPublisher
+from ferry.brokers.nats.publish import BatchPublisher
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range, stream_states
+from ferry.brokers.nats.wire import wire
 from ferry.topology import Topology, load_topology
 
 

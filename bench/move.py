@@ -42,10 +42,13 @@ import pyarrow.parquet as pq
 from bench._util import save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats import jsapi
+from ferry.brokers.nats.publish import Publisher
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range
 from ferry.errors import FerryError
-from ferry.ops import move as mv
-from ferry.pipeline.jetstream import Range, ReadConfig, read_range
-from ferry.publish import Publisher
+from ferry.jobs import move as mv
+from ferry.jobs.move.plan import placed_in
+from ferry.jobs.shared.guard import Guard, Stored, measured_window, missing, read_captures
 from ferry.topology import Topology, load_topology
 
 LOAD_S = 10
@@ -58,7 +61,7 @@ RATES = (3500, 12000)
 async def make(topo: Topology, name: str, prefill: int) -> None:
     async with bnats.session(topo.nats("east")) as nc:
         with contextlib.suppress(Exception):  # not there yet
-            await mv.api(nc, f"$JS.API.STREAM.DELETE.{name}")
+            await jsapi.api(nc, f"$JS.API.STREAM.DELETE.{name}")
         cfg = {
             "name": name,
             "subjects": [f"{name.lower()}.>"],
@@ -66,7 +69,7 @@ async def make(topo: Topology, name: str, prefill: int) -> None:
             "storage": "file",
             "placement": {"cluster": "east"},
         }
-        await mv.api(nc, f"$JS.API.STREAM.CREATE.{name}", cfg)
+        await jsapi.api(nc, f"$JS.API.STREAM.CREATE.{name}", cfg)
         async with Publisher(nc, window=1024) as pub:
             for i in range(prefill):
                 await pub.publish(f"{name.lower()}.fill", i.to_bytes(8, "big") * 125)
@@ -100,16 +103,16 @@ def loads(topology: Path, name: str, rate: int, out: Path) -> list[subprocess.Po
 
 async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]:
     async with bnats.session(topo.nats("west")) as nc:
-        info = await mv.stream_info(nc, name)
+        info = await jsapi.stream_info(nc, name)
         seq0 = info["state"]["last_seq"]
-        guard = mv.Guard(topo.nats("west"), info["config"]["subjects"], capture_dir / "capture-native.arrow")
+        guard = Guard(topo.nats("west"), info["config"]["subjects"], capture_dir / "capture-native.arrow")
         await guard.start()
         west = {f"west-{i}" for i in (1, 2, 3)}
         t0 = time.monotonic()
-        await mv.api(nc, f"$JS.API.STREAM.UPDATE.{name}", {**info["config"], "placement": {"cluster": "west"}})
+        await jsapi.api(nc, f"$JS.API.STREAM.UPDATE.{name}", {**info["config"], "placement": {"cluster": "west"}})
         while True:
             with contextlib.suppress(FerryError):  # a busy stream may not answer within 2 s: ask again
-                if mv._in(await mv.stream_info(nc, name, timeout=2), west):
+                if placed_in(await jsapi.stream_info(nc, name, timeout=2), west):
                     break
             await asyncio.sleep(0.05)
         took = time.monotonic() - t0
@@ -119,18 +122,18 @@ async def native(topo: Topology, name: str, capture_dir: Path) -> dict[str, Any]
 
 
 async def window(topo: Topology, nc: Any, name: str, seq0: int, capture_dir: Path) -> dict[str, Any]:
-    last = (await mv.stream_info(nc, name))["state"]["last_seq"]
-    captured = mv.read_captures(capture_dir)
-    async with mv.Stored(topo.nats("west"), name) as reader:
+    last = (await jsapi.stream_info(nc, name))["state"]["last_seq"]
+    captured = read_captures(capture_dir)
+    async with Stored(topo.nats("west"), name) as reader:
         stored = await reader.since(seq0, last)
-    rows, first = mv.missing(captured, stored)
-    return {"unavailable_s": mv.measured_window(captured, stored, first), "missed": len(rows)}
+    rows, first = missing(captured, stored)
+    return {"unavailable_s": measured_window(captured, stored, first), "missed": len(rows)}
 
 
 async def held_ids(topo: Topology, name: str) -> set[str]:
     cfg = ReadConfig(cluster=topo.nats("west").model_dump_json(), name="west", streams=(name,))
     async with bnats.session(topo.nats("west")) as nc:
-        st = (await mv.stream_info(nc, name))["state"]
+        st = (await jsapi.stream_info(nc, name))["state"]
     ids: set[str] = set()
     async for batch in read_range(cfg, Range(name, st["first_seq"], st["last_seq"], 2000)):
         for h in batch.column("headers").to_pylist():
@@ -162,7 +165,7 @@ def one(topo: Topology, topology: Path, who: str, rate: int, prefill: int, work:
     else:
         req = mv.MoveRequest(stream=name, to="west", state_dir=out / "state")
         t0 = time.monotonic()
-        res = asyncio.run(mv.move(topo.nats("west"), req))
+        res = asyncio.run(mv.move(topo.nats("west"), req)).doc()
         r = {"took_s": time.monotonic() - t0, "unavailable_s": res["unavailable_s"], "missed": res["missed"]}
         r |= {k: res[k] for k in ("handoff", "leader_changes", "leaderless_s")}
         assert res["outcome"] == "moved" and res["verify"]["ok"], res

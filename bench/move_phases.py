@@ -21,7 +21,8 @@ from typing import Any
 
 from bench import move as bm
 from ferry import lab
-from ferry.ops import move as mv
+from ferry.jobs import move as mv
+from ferry.jobs.shared.guard import Guard, Stored
 from ferry.topology import load_topology
 
 T0 = [0.0]
@@ -65,8 +66,8 @@ def main() -> None:
         args.prefill = 5_000
     for name in ("preflight", "snapshot", "_watch", "reconcile", "read_captures", "missing", "_settle"):
         timed(mv, name, name)
-    timed(mv.Guard, "start", "guard.start")
-    timed(mv.Stored, "since", "stored since")
+    timed(Guard, "start", "guard.start")
+    timed(Stored, "since", "stored since")
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
     root.chmod(0o755)
     os.environ["FERRY_LAB_DIR"] = str(root)
@@ -90,7 +91,7 @@ def main() -> None:
                     emit=lambda ev, **d: stamp(ev + (f" {d}" if ev in ("handoff", "leader") else "")),
                 )
             )
-            stamp(f"total, captured {res.get('captured')}, missed {res.get('missed')}")
+            stamp(f"total, captured {res.captured}, missed {res.missed}")
             for p in procs:
                 p.wait(timeout=120)
     finally:

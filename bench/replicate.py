@@ -49,9 +49,9 @@ from typing import Any
 from bench._util import save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats.jsapi import stream_info, ts_ns
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range
 from ferry.errors import FerryError
-from ferry.ops.move import _ts_ns, stream_info
-from ferry.pipeline.jetstream import Range, ReadConfig, read_range
 from ferry.topology import Topology, load_topology
 
 FERRY = [sys.executable, "-m", "ferry"]
@@ -98,7 +98,7 @@ def drained(topo: Topology, stream: str, backlog: int, timeout: float = 600) -> 
         if time.monotonic() > deadline:
             raise SystemExit(f"{stream} holds {st['messages']:,} of {backlog:,} after {timeout:.0f} s")
         time.sleep(0.5)
-    return backlog / max((_ts_ns(st["last_ts"]) - _ts_ns(st["first_ts"])) / 1e9, 1e-6)
+    return backlog / max((ts_ns(st["last_ts"]) - ts_ns(st["first_ts"])) / 1e9, 1e-6)
 
 
 async def times(topo: Topology, cluster: str, stream: str, lo: int) -> dict[str, float]:

@@ -20,13 +20,13 @@ def stamp(what: str) -> None:
 
 
 def imports(batches):  # type: ignore[no-untyped-def]
-    import ferry.pipeline.copy  # noqa: F401  what a mover's Python worker imports
+    import ferry.jobs.copy.run  # noqa: F401  what a mover's Python worker imports
 
     yield from batches
 
 
 def main() -> None:
-    from ferry.pipeline import spark as fs
+    from ferry.spark import session as fs
 
     rdd = "--rdd" in sys.argv[1:]
     stamp("imports")

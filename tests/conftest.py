@@ -3,6 +3,11 @@
 Lab directories live under a world-traversable temporary directory because the
 RabbitMQ nodes run as user ``rabbitmq``. Every fixture checks at teardown that
 no process it started is left (by pid and process group).
+
+Marks say what a test needs: ``lab`` (real brokers), ``spark`` (a Spark session).
+A test that asks for a lab fixture or the Spark session without its mark is an
+error at collection, so ``make test-fast`` (``-m "not lab and not spark"``) can
+never start a server or a JVM.
 """
 
 from __future__ import annotations
@@ -60,13 +65,28 @@ def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
     yield from _profile("rabbit-cluster", lab_dir, haproxy=True)
 
 
+LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = []
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if needs & LAB_FIXTURES and not item.get_closest_marker("lab"):
+            unmarked.append(f"{item.nodeid}: uses {', '.join(sorted(needs & LAB_FIXTURES))} without the lab mark")
+        if "spark" in needs and not item.get_closest_marker("spark"):
+            unmarked.append(f"{item.nodeid}: uses the spark fixture without the spark mark")
+    if unmarked:
+        raise pytest.UsageError("tests whose marks do not say what they need:\n" + "\n".join(unmarked))
+
+
 def profile_topology(state: lab.LabState) -> Topology:
     return load_topology(state.path / "topology.yaml")
 
 
 @pytest.fixture(scope="session")
 def spark():  # type: ignore[no-untyped-def]
-    from ferry.pipeline.spark import get_session
+    from ferry.spark.session import get_session
 
     session = get_session(app_name="ferry tests")
     yield session

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +17,10 @@ from typing import Any
 from nats.js.api import Placement, StreamConfig
 
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats.publish import Publisher
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range, stream_states
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.pipeline.jetstream import Range, ReadConfig, read_range, stream_states
-from ferry.pipeline.rabbitmq import snapshot_queue
-from ferry.publish import Publisher
+from ferry.brokers.rabbitmq.queue_io import snapshot_queue
 from ferry.topology import Topology, load_topology
 
 FERRY = [sys.executable, "-m", "ferry"]
@@ -164,8 +165,8 @@ def judge(
     """The audit of one tier (a snapshot directory or a jetstream:// URI) against the ledgers, in
     the tests' own Spark session (the CLI's audit has its tests in test_proof); writes the HTML
     report next to the test's files and fails on any loss or more than `max_dup` extra copies."""
-    from ferry.pipeline.audit import audit, tier_frame, verdict
-    from ferry.report import render_html
+    from ferry.jobs.proof.audit import audit, tier_frame, verdict
+    from ferry.jobs.proof.report import render_html
     from ferry.topology import load_topology
 
     paths = [str(p) for p in ([ledgers] if isinstance(ledgers, Path) else ledgers)]
@@ -214,3 +215,58 @@ async def as_rabbit_user(state: Any, cluster: str, user: str, tags: str, path: P
         await m.put(f"/permissions/%2F/{user}", {"configure": configure, "write": ".*", "read": ".*"})
     path.write_text(topology.read_text().replace(f"user: {c.credentials.user}", f"user: {user}"))
     return path
+
+
+# -- shared by several test modules --------------------------------------------------------------
+
+RATE = 3500  # msg/s of the producers that test moves, evacuations and repartitions under load
+
+VALID = textwrap.dedent(
+    """\
+    version: 1
+    sites:
+      lab:
+        clusters:
+          east:
+            kind: nats
+            credentials: {user: app, password_env: FERRY_T_APP}
+            system_credentials: {user: sys, password_env: FERRY_T_SYS}
+            brokers:
+              - name: east-1
+                url: nats://127.0.0.1:4222
+                monitor_url: http://127.0.0.1:8222
+      dr:
+        clusters:
+          ltm:
+            kind: rabbitmq
+            credentials: {user: ferry, password_env: FERRY_T_LTM}
+            brokers:
+              - name: ltm-1
+                url: amqp://127.0.0.1:5672
+                management_url: http://127.0.0.1:15672
+    """
+)
+
+
+def start_load(
+    topology: Path, target: str, subject: str, ledger: Path, seconds: float, *extra: str
+) -> subprocess.Popen:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = [
+        "load",
+        target,
+        "--subject",
+        subject,
+        "--rate",
+        str(RATE),
+        "--duration",
+        str(seconds),
+        "--ledger",
+        str(ledger),
+    ]
+    return subprocess.Popen([*FERRY, *args, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]

@@ -30,9 +30,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ferry.brokers import nats as bnats
 from ferry.errors import Conflict, FerryError, NotFound
-from ferry.ops import rebalance as rb
-from ferry.ops.journal import Journal, ParamJournal, owner_alive, running_here
-from ferry.ops.nodes import CONTROL, open_nodes
+from ferry.jobs import evacuate as rb
+from ferry.jobs.evacuate.nodes import STALE_AFTER, open_nodes
+from ferry.jobs.evacuate.nodes.base import CONTROL
+from ferry.jobs.evacuate.plan import evacuation_key, rebalance_key
+from ferry.jobs.evacuate.status import journaled
+from ferry.journal import Journal, KvJournal, ParamJournal, owner_alive, running_here
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
 log = logging.getLogger("ferry.serve")
@@ -64,7 +67,7 @@ class Registry:
             try:
                 if isinstance(cluster, NatsCluster):  # reading needs no system account
                     async with bnats.session(cluster, name=name, client_name=f"{CONTROL}-serve") as nc:
-                        await self._poll(name, Journal(nc, "", replicas=min(3, len(cluster.brokers))))
+                        await self._poll(name, KvJournal(nc, "", replicas=min(3, len(cluster.brokers))))
                 else:
                     async with open_nodes(name, cluster, avoid=[]) as nodes:
                         await self._poll(name, nodes.journal(""))
@@ -78,7 +81,7 @@ class Registry:
         await journal.open()
         while True:
             began = time.monotonic()  # the heartbeats read are at least this old
-            self.states[name] = await rb.journaled(journal, name)
+            self.states[name] = await journaled(journal, name)
             self.read_at[name] = began
             if name in self.first_read:
                 self.first_read[name].set()
@@ -106,7 +109,7 @@ class Registry:
             if now - self.read_at.get(cname, float("-inf")) < READ_FRESH
             for key, st in list(states.items())
             if not ((task := self.drivers.get(key)) and not task.done())
-            and not owner_alive(st, rb.STALE_AFTER)
+            and not owner_alive(st, STALE_AFTER)
             and not running_here(st)
             and not st.get("refused")  # the broker refused its driver's user: not to go on under serve's
         ]
@@ -114,11 +117,11 @@ class Registry:
     def _resume(self, cname: str, st: dict[str, Any]) -> Any:
         stop = asyncio.Event()
         if st.get("kind") == "evacuation":
-            key = rb.evacuation_key(cname, st["node"])
+            key = evacuation_key(cname, st["node"])
             self.stops[key] = stop
             req = rb.EvacuateRequest(node=st["node"], cluster=cname)
             return rb.evacuate(self.topo, req, stop=stop, hold=True, resume_only=True)
-        key = rb.rebalance_key(cname)
+        key = rebalance_key(cname)
         self.stops[key] = stop
         return rb.rebalance(self.topo, rb.RebalanceRequest(cluster=cname, execute=True), stop=stop, resume_only=True)
 
@@ -230,7 +233,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     @app.get("/evacuations/{node}")
     def evacuation(node: str, cluster: Annotated[str | None, Query()] = None) -> dict[str, Any]:
         cname = reg.locate(node, cluster)
-        st = reg.states.get(cname, {}).get(rb.evacuation_key(cname, node))
+        st = reg.states.get(cname, {}).get(evacuation_key(cname, node))
         if not st:
             raise HTTPException(404, f"no evacuation of {node}")
         return {k: v for k, v in st.items() if k != "heartbeat"}
@@ -238,7 +241,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     @app.post("/evacuations", dependencies=[Auth], status_code=202)
     async def start_evacuation(req: rb.EvacuateRequest) -> dict[str, Any]:
         cname = reg.locate(req.node, req.cluster or None)
-        key = rb.evacuation_key(cname, req.node)
+        key = evacuation_key(cname, req.node)
         stop = reg.stops[key] = asyncio.Event()
         req = req.model_copy(update={"cluster": cname})
         return await _first_event(reg, key, lambda emit: rb.evacuate(reg.topo, req, emit, stop=stop, hold=True))
@@ -258,7 +261,7 @@ def create_app(topo: Topology, token: str | None) -> FastAPI:
     async def start_rebalance(req: rb.RebalanceRequest) -> dict[str, Any]:
         if req.cluster not in reg.clusters:
             raise HTTPException(404, f"no cluster {req.cluster!r}")
-        key = rb.rebalance_key(req.cluster)
+        key = rebalance_key(req.cluster)
         stop = reg.stops[key] = asyncio.Event()
         return await _first_event(reg, key, lambda emit: rb.rebalance(reg.topo, req, emit, stop=stop))
 

@@ -5,13 +5,20 @@ credentials, unreachable broker, unknown stream, invalid subject) raises a
 subclass; the CLI prints ``str(error)`` on one line and exits non-zero, never a
 traceback. Messages say what to do next and never contain a secret.
 
-``retryable`` is decided here, once: transient errors (a broker that did not
-answer in time) may be retried by the caller; terminal ones may not.
+Whether trying again may help is decided here, once, by two mix-ins:
+:class:`Transient` (a broker that did not answer in time, a leader election)
+and :class:`Terminal` (a name, a credential or a setting that must change
+first). Retry code asks :func:`ferry.brokers.transient`, which reads
+``retryable`` from these classes and from the library errors each broker kind
+declares. Library errors are translated into this tree at the broker boundary
+(:mod:`ferry.brokers`). An error keeps its hint and fields when pickled (a
+Spark task's error reaches the driver so).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _SECRETS = (
     (re.compile(r"(//[^/\s:@'\"]*):[^/@\s'\"]*@"), r"\1:***@"),  # scheme://user:password@host
@@ -24,6 +31,18 @@ def redact(text: str) -> str:
     for pattern, mask in _SECRETS:
         text = pattern.sub(mask, text)
     return text
+
+
+class Transient:
+    """Mix-in: trying again later may succeed (the broker may answer, a leader be elected)."""
+
+    retryable = True
+
+
+class Terminal:
+    """Mix-in: trying again cannot succeed until something changes (a name, a credential, a setting)."""
+
+    retryable = False
 
 
 class FerryError(Exception):
@@ -41,30 +60,35 @@ class FerryError(Exception):
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.hint, self.fields))
 
-class ConfigError(FerryError):
+
+def _rebuild(cls: type[FerryError], message: str, hint: str | None, fields: dict[str, object]) -> FerryError:
+    return cls(message, hint=hint, **fields)
+
+
+class ConfigError(Terminal, FerryError):
     """A topology file, partition map or option is invalid."""
 
     exit_code = 2
 
 
-class UsageError(FerryError):
+class UsageError(Terminal, FerryError):
     """A command was asked to do something it cannot do as asked."""
 
     exit_code = 2
 
 
-class NotFound(FerryError):
+class NotFound(Terminal, FerryError):
     """A named cluster, stream, queue, node or operation does not exist."""
 
 
-class BrokerUnavailable(FerryError):
+class BrokerUnavailable(Transient, FerryError):
     """A broker did not answer (refused, timed out, no leader)."""
 
-    retryable = True
 
-
-class AuthError(FerryError):
+class AuthError(Terminal, FerryError):
     """A broker refused the credentials, or what they asked for (a permission)."""
 
 
@@ -72,13 +96,13 @@ class Forbidden(AuthError):
     """A broker took the credentials but refused what they asked for: a permission the user lacks."""
 
 
-class Conflict(FerryError):
-    """Another operation or owner holds what was asked for."""
+class Conflict(Terminal, FerryError):
+    """Another operation or owner holds what was asked for (it stops, or is stopped, first)."""
 
 
-class PreflightFailed(FerryError):
+class PreflightFailed(Terminal, FerryError):
     """An operation's preflight check refused to start; nothing was changed."""
 
 
-class OperationFailed(FerryError):
+class OperationFailed(Terminal, FerryError):
     """An operation step failed; its state is journaled and it can be resumed."""

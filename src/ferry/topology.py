@@ -50,6 +50,7 @@ __all__ = [
     "Site",
     "Topology",
     "default_topology_path",
+    "lab_root",
     "load_topology",
 ]
 
@@ -300,9 +301,12 @@ def default_topology_path() -> Path:
     env = os.environ.get("FERRY_TOPOLOGY")
     if env:
         return Path(env)
-    from ferry.lab import lab_root
-
     return lab_root() / "topology.yaml"
+
+
+def lab_root() -> Path:
+    """Where `ferry lab` keeps its servers and the topology it writes: $FERRY_LAB_DIR, else ./.ferry-lab."""
+    return Path(os.environ.get("FERRY_LAB_DIR", ".ferry-lab")).absolute()
 
 
 def load_topology(path: Path | str | None = None) -> Topology:

@@ -20,9 +20,9 @@ from ferry.brokers import probe_all
 from ferry.brokers.rabbitmq import Management
 from ferry.cli import app
 from ferry.errors import AuthError, FerryError
+from ferry.jobs.proof import smoke
 from ferry.lab import nats as lab_nats
 from ferry.lab.procs import group_members
-from ferry.ops import smoke
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, as_rabbit_user, ferry

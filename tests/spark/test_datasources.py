@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from ferry import lab
-from ferry.pipeline.jetstream import ReadConfig, stream_frame
+from ferry.brokers.nats.reader import ReadConfig
+from ferry.spark.jetstream import stream_frame
 from tests.conftest import profile_topology
 from tests.helpers import fill_stream, make_queues, make_stream, queue_messages, read_stream, stream_count
 

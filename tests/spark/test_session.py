@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.spark
+
 SCRIPT = """
 import sys, threading, time
-from ferry.pipeline.spark import get_session, spark_log
+from ferry.spark.session import get_session, spark_log
 
 def report():  # another thread reporting while the JVM starts, as ferry failback's progress does
     for i in range(400):

@@ -1,12 +1,12 @@
-"""What every broker adapter shares: probe results, capabilities, URL masking."""
+"""What every broker adapter shares: probe results, capabilities, the counts of a write."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, redact
@@ -26,11 +26,21 @@ class Probe:
 
 
 class BrokerKind:
-    """Declared once per broker kind: what it can do and which errors are retryable."""
+    """Declared once per broker kind (as kombu's transports do): what it can do, which of its
+    library's errors are worth retrying, and how its library's other errors read as ferry's.
+
+    Capabilities ferry reads: ``replay`` (a source can be read again: exactly-once copies),
+    ``destructive-read`` (reading consumes: one mover task per queue, at-least-once),
+    ``msg-id-dedup``, ``system-account``, ``kv``, ``shovel``, ``federation``, ``mqtt``."""
 
     kind: ClassVar[str]
     capabilities: ClassVar[frozenset[str]]
     retryable: ClassVar[tuple[type[BaseException], ...]] = (BrokerUnavailable,)
+
+    @classmethod
+    def translate(cls, exc: BaseException) -> FerryError | None:
+        """`exc`, one of this kind's library errors, as a ferry error (None: not this kind's)."""
+        return None
 
 
 async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str]) -> Probe:
@@ -76,3 +86,42 @@ async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: 
             raise AuthError(f"MQTT {parts.hostname}:{parts.port}: {rc}")
         raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: {rc}")
     return "CONNACK accepted"
+
+
+@dataclass
+class WriteCounts:
+    """What one write task did; the driver sums these."""
+
+    rows: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    retries: int = 0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __add__(self, other: WriteCounts) -> WriteCounts:
+        return WriteCounts(
+            self.rows + other.rows,
+            self.stored + other.stored,
+            self.duplicates + other.duplicates,
+            self.retries + other.retries,
+            self.bytes + other.bytes,
+            (self.errors + other.errors)[:20],
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    @staticmethod
+    def arrow_schema() -> Any:
+        """COUNTS_DDL as an Arrow schema."""
+        import pyarrow as pa
+
+        fields = [(name, pa.int64()) for name in ("rows", "stored", "duplicates", "retries", "bytes")]
+        return pa.schema([*fields, ("errors", pa.list_(pa.string()))])
+
+    def as_batch(self) -> Any:
+        """One Arrow row with the COUNTS_DDL schema (what a counting Spark task yields)."""
+        import pyarrow as pa
+
+        return pa.RecordBatch.from_pylist([self.as_dict()], self.arrow_schema())

@@ -38,6 +38,7 @@ from ferry.lab import haproxy as lab_haproxy
 from ferry.lab import nats as lab_nats
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.procs import Proc, free_ports, port_open, stop_all
+from ferry.topology import lab_root
 
 __all__ = ["PROFILES", "LabState", "down", "lab_root", "load_state", "running_profiles", "status", "up"]
 
@@ -47,10 +48,6 @@ PROFILES = {
     "rabbit-dr": "three independent RabbitMQ nodes: art (upstream), pc1 (main), ltm (DR)",
     "rabbit-cluster": "one RabbitMQ cluster 'rabbits' of 3 nodes",
 }
-
-
-def lab_root() -> Path:
-    return Path(os.environ.get("FERRY_LAB_DIR", ".ferry-lab")).absolute()
 
 
 class LabState(BaseModel):

@@ -1,0 +1,290 @@
+"""NATS / JetStream adapter.
+
+Features: client connections with bounded connect and error mapping, the
+system account (server requests, CANCEL_MOVE, KICK), the monitoring endpoint
+(varz, jsz, connz), JetStream admin and KV through nats-py.
+
+Connection string: ``nats://host:4222`` per broker in the topology; the user and
+password come from the cluster's ``credentials`` (``system_credentials`` for the
+system account).
+
+Options: ``timeout`` bounds the first connect (nats-py alone retries forever);
+after that the client reconnects on its own, which an operation that outlives
+a server restart needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import nats
+from nats.aio.client import Client
+from nats.errors import AuthorizationError, NoServersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden
+from ferry.topology import NatsCluster
+
+__all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
+
+# the permission violations each client was sent (the server sends no reply to a publish it refuses,
+# only this, and goes on): a request that times out tells from them that it was refused
+_DENIED: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
+DENIALS: deque[str] = deque(maxlen=10)  # every client's, for a timeout that reaches the CLI without its client
+
+
+class Nats(BrokerKind):
+    kind = "nats"
+    capabilities = frozenset({"replay", "msg-id-dedup", "system-account", "mqtt", "kv"})
+    retryable = (BrokerUnavailable, NatsTimeout, NoServersError, ConnectionError)
+
+    @classmethod
+    def translate(cls, exc: BaseException) -> FerryError | None:
+        if isinstance(exc, TimeoutError) and DENIALS:  # a request the server refused goes unanswered
+            return Forbidden(f"a broker did not answer in time; the server had refused ferry's user: {DENIALS[-1]}")
+        if not type(exc).__module__.startswith("nats."):
+            return None
+        if isinstance(exc, TimeoutError):
+            return None  # said the same way for every kind
+        text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+        if _is_auth(exc):
+            return AuthError(text.splitlines()[0])
+        return FerryError(text.splitlines()[0])
+
+
+def _is_auth(err: BaseException | None) -> bool:
+    return isinstance(err, AuthorizationError) or "authorization" in str(err).lower()
+
+
+async def connect(
+    cluster: NatsCluster,
+    *,
+    name: str = "",
+    system: bool = False,
+    urls: list[str] | None = None,
+    timeout: float = 5.0,
+    **options: Any,
+) -> Client:
+    """A connected client for `cluster` (system account if `system`)."""
+    creds = cluster.system_credentials if system else cluster.credentials
+    if system and creds is None:
+        raise ConfigError(f"cluster {name!r} has no system_credentials in the topology")
+    last_error: list[BaseException] = []
+    denied: deque[str] = deque(maxlen=100)
+
+    async def on_error(exc: Exception) -> None:
+        last_error[:] = [exc]
+        if "permissions violation" in str(exc).lower():  # nats-py lowercases what the server said
+            denied.append(str(exc))
+            DENIALS.append(str(exc).removeprefix("nats: "))
+
+    kwargs: dict[str, Any] = {
+        "servers": urls or cluster.urls,
+        "name": options.pop("client_name", "ferry"),
+        "connect_timeout": 2,
+        "reconnect_time_wait": 0.25,
+        "max_reconnect_attempts": -1,
+        "error_cb": on_error,
+        **options,
+    }
+    if creds:
+        kwargs["user"], kwargs["password"] = creds.user, creds.password()
+    try:
+        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        _DENIED[nc] = denied
+        return nc
+    except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
+        cause = last_error[0] if last_error else exc
+        who = f"cluster {name!r}" if name else "NATS"
+        if _is_auth(cause) or _is_auth(exc):
+            raise AuthError(f"{who}: authorization violation for user {creds.user if creds else '(none)'!r}") from None
+        detail = f"{type(cause).__name__}: {cause}".rstrip(": ") if str(cause) else type(cause).__name__
+        raise BrokerUnavailable(
+            f"{who}: no server answered at {', '.join(kwargs['servers'])} within {timeout:.0f}s ({detail})"
+        ) from None
+
+
+@contextlib.asynccontextmanager
+async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
+    nc = await connect(cluster, **kwargs)
+    try:
+        yield nc
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+def refused(nc: Any, subject: str) -> AuthError | None:
+    """The error to raise when the server refused `nc`'s publish to `subject`, or the subscription
+    to its inbox, where replies come (a request then just goes unanswered), else None. `nc`: a
+    nats-py client from :func:`connect`, or the data plane's ``Wire`` (its ``denied``)."""
+    said = " ".join(getattr(nc, "denied", None) or _DENIED.get(nc, ())).lower()
+    if f'publish to "{subject.lower()}"' in said:
+        return Forbidden(f"the server refused ferry's user to publish to {subject} (permissions violation)")
+    if 'subscription to "_inbox.' in said:
+        return Forbidden(
+            f"no answer to {subject}: the server refused ferry's user to subscribe to its inbox, where "
+            "replies come (permissions violation; allow it to subscribe to _INBOX.>)"
+        )
+    return None
+
+
+async def while_electing(
+    call: Callable[[], Awaitable[Any]], within: float = 30.0, nc: Client | None = None, subject: str = ""
+) -> Any:
+    """`call` a stream's API (or write to it), again while the stream elects a leader (its leader
+    stepped down or died: no responder, unavailable, or no answer in time), for at most `within`
+    seconds. A write that timed out may have been stored after all: the caller must tell. Given
+    the client and the subject `call` publishes to, a refused publish fails at its first timeout."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        try:
+            return await call()
+        except (NoStreamResponseError, NoRespondersError, ServiceUnavailableError, NatsTimeout):
+            if nc is not None and (denial := refused(nc, subject)):
+                raise denial from None
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def sys_request(nc: Client, subject: str, payload: dict | bytes = b"", timeout: float = 5.0) -> dict:
+    """A request on the system account (or a $JS.API request) answered with JSON."""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    try:
+        msg = await nc.request(subject, data, timeout=timeout)
+    except NatsTimeout:
+        raise refused(nc, subject) or BrokerUnavailable(f"no answer to {subject} within {timeout:.0f}s") from None
+    return json.loads(msg.data) if msg.data else {}
+
+
+async def monitor_get(url: str, path: str, timeout: float = 5.0, **params: Any) -> Any:
+    """GET a monitoring endpoint (varz, jsz, connz, healthz ...) as JSON."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            r = await client.get(f"{url}/{path.lstrip('/')}", params=params)
+    except httpx.HTTPError as exc:
+        raise BrokerUnavailable(f"monitoring endpoint {url} not answering ({type(exc).__name__})") from None
+    if r.status_code >= 400 and path.startswith("healthz"):
+        raise BrokerUnavailable(f"{url}/{path}: {r.status_code} {r.text.strip()[:200]}")
+    r.raise_for_status()
+    return r.json()
+
+
+async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
+    """Every endpoint of every broker: client (app account), system account, monitor, MQTT."""
+
+    async def client(url: str, system: bool) -> str:
+        async with session(
+            cluster, name=name, urls=[url], system=system, timeout=3, max_reconnect_attempts=1, allow_reconnect=False
+        ) as nc:
+            info = nc._server_info
+            return f"{info.get('server_name', '?')} v{info.get('version', '?')}"
+
+    async def monitor(url: str) -> str:
+        varz = await monitor_get(url, "varz", timeout=3)
+        js = "JetStream on" if varz.get("jetstream", {}).get("config") else "JetStream off"
+        return f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}"
+
+    checks = []
+    for b in cluster.brokers:
+        checks.append(timed_probe(name, b.name, "client", b.url, client(b.url, False)))
+        if cluster.system_credentials:
+            checks.append(timed_probe(name, b.name, "system", b.url, client(b.url, True)))
+        if b.monitor_url:
+            checks.append(timed_probe(name, b.name, "monitor", b.monitor_url, monitor(b.monitor_url)))
+        if b.mqtt_url:
+            creds = cluster.credentials
+            user, pw = (creds.user, creds.password()) if creds else (None, None)
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+    return list(await asyncio.gather(*checks))
+
+
+async def stream_add(
+    cluster: NatsCluster,
+    name: str,
+    subjects: list[str],
+    *,
+    replicas: int = 3,
+    placement: str | None = None,
+    tags: list[str] | None = None,
+    cluster_name: str = "",
+    duplicate_window: float | None = None,
+) -> dict:
+    """Create a stream (placed in `placement` / on `tags`); refuses one that exists."""
+    from nats.js.api import Placement, StreamConfig
+    from nats.js.errors import APIError
+
+    from ferry.errors import Conflict
+
+    config = StreamConfig(
+        name=name,
+        subjects=subjects,
+        num_replicas=replicas,
+        placement=Placement(cluster=placement, tags=tags) if placement or tags else None,
+        duplicate_window=duplicate_window,
+    )
+    async with session(cluster, name=cluster_name) as nc:
+        jsm = nc.jsm()
+        try:
+            await jsm.stream_info(name)
+            raise Conflict(f"stream {name!r} already exists", stream=name)
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            info = await jsm.add_stream(config)
+        except APIError as exc:  # refused: bad config, replicas on a server without a cluster...
+            raise ConfigError(f"stream {name!r}: {exc.description or exc}") from None
+    return _stream_summary(info)
+
+
+async def stream_info(cluster: NatsCluster, name: str, cluster_name: str = "") -> dict:
+    from ferry.errors import NotFound
+
+    async with session(cluster, name=cluster_name) as nc:
+        try:
+            return _stream_summary(await nc.jsm().stream_info(name))
+        except nats.js.errors.NotFoundError:
+            raise NotFound(f"stream {name!r} not found", stream=name) from None
+
+
+async def stream_delete(cluster: NatsCluster, name: str, cluster_name: str = "") -> None:
+    from ferry.errors import NotFound
+
+    async with session(cluster, name=cluster_name) as nc:
+        try:
+            await nc.jsm().delete_stream(name)
+        except nats.js.errors.NotFoundError:
+            raise NotFound(f"stream {name!r} not found", stream=name) from None
+
+
+def leader_of(info: Any) -> str:
+    """The server that leads a stream or consumer (nats-py's info), or "" when it has none."""
+    return (info.cluster and info.cluster.leader) or ""
+
+
+def _stream_summary(info: Any) -> dict:
+    c = info.cluster
+    return {
+        "name": info.config.name,
+        "subjects": info.config.subjects,
+        "replicas": info.config.num_replicas,
+        "cluster": c.name if c else None,
+        "leader": c.leader if c else None,
+        "peers": [r.name for r in (c.replicas or [])] if c else [],
+        "messages": info.state.messages,
+        "bytes": info.state.bytes,
+        "first_seq": info.state.first_seq,
+        "last_seq": info.state.last_seq,
+    }

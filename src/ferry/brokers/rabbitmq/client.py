@@ -1,0 +1,220 @@
+"""RabbitMQ adapter.
+
+Features: the management HTTP API (queues, parameters, policies, shovels,
+federation links, connections) with every name URL-encoded, AMQP connections
+through aio-pika with bounded connect and error mapping.
+
+Connection string: ``amqp://host:5672`` and ``http://host:15672`` per broker in
+the topology; the user and password come from the cluster's ``credentials``
+and serve both.
+
+Options: ``timeout`` for every HTTP call and the AMQP connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aio_pika
+import aiormq
+import httpx
+from pamqp import constants as _pamqp_constants
+
+from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.errors import AuthError, BrokerUnavailable, FerryError, Forbidden, NotFound, redact
+from ferry.topology import RabbitBroker, RabbitCluster
+
+__all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
+
+
+# pamqp (under aio-pika and ferry's raw frames) refuses queue and exchange names outside
+# [a-zA-Z0-9-_.:@#,/+ ]; RabbitMQ takes any UTF-8 name of up to 255 bytes (`%`, `ü`, ...).
+for _kind in ("queue-name", "exchange-name"):
+    _pamqp_constants.DOMAIN_REGEX[_kind] = re.compile(r"^[^\x00]*$")
+
+
+class Rabbit(BrokerKind):
+    kind = "rabbitmq"
+    capabilities = frozenset({"destructive-read", "publisher-confirms", "shovel", "federation", "mqtt"})
+    retryable = (BrokerUnavailable, aiormq.exceptions.AMQPConnectionError, ConnectionError)
+
+    @classmethod
+    def translate(cls, exc: BaseException) -> FerryError | None:
+        if not type(exc).__module__.startswith(("aiormq.", "aio_pika.", "pamqp.")):
+            return None
+        # AMQP's args: (403, "ACCESS_REFUSED - access to queue ...")
+        text = next((a for a in reversed(exc.args) if isinstance(a, str) and a), None) or str(exc) or type(exc).__name__
+        if isinstance(exc, aiormq.exceptions.ChannelAccessRefused | aiormq.exceptions.ProbableAuthenticationError):
+            return Forbidden(text.splitlines()[0])
+        return FerryError(text.splitlines()[0])
+
+
+def q(name: str) -> str:
+    """URL-encode one path segment of the management API (vhost '/' is '%2F')."""
+    return quote(name, safe="")
+
+
+def queue_path(vhost: str, queue: str) -> str:
+    """A queue as ferry names it in messages and events: VHOST/QUEUE, each part's ``%`` and ``/``
+    encoded as in a ``rabbitmq://`` URI (``%2F/orders`` for the default vhost's queue, not
+    ``//orders``); other characters stay as they are, to be read."""
+    return "/".join(part.replace("%", "%25").replace("/", "%2F") for part in (vhost, queue))
+
+
+class Management:
+    """The management HTTP API of one broker (any node of a cluster answers for all)."""
+
+    def __init__(
+        self, cluster: RabbitCluster, broker: RabbitBroker | None = None, *, name: str = "", timeout: float = 10.0
+    ) -> None:
+        self.cluster, self.broker = cluster, broker or cluster.brokers[0]
+        self.name = name or self.broker.name
+        creds = cluster.credentials
+        self.user = creds.user if creds else ""
+        auth = (creds.user, creds.password() or "") if creds else None
+        self._http = httpx.AsyncClient(base_url=f"{self.broker.management_url}/api", auth=auth, timeout=timeout)
+
+    async def __aenter__(self) -> Management:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, method: str, path: str, *, ok404: bool = False, **kwargs: Any) -> Any:
+        try:
+            r = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BrokerUnavailable(
+                f"{self.name}: management API {self.broker.management_url} not answering ({type(exc).__name__})"
+            ) from None
+        if r.status_code == 401:  # the credentials, or a tag or vhost permission the user lacks
+            why = ""
+            with contextlib.suppress(ValueError, AttributeError):
+                why = r.json().get("reason") or ""
+            if not why or why.lower().startswith("login failed"):
+                raise AuthError(f"{self.name}: management API refused the credentials of user {self.user!r}")
+            raise Forbidden(f"{self.name}: management API refused {method} {path} to user {self.user!r}: {why}")
+        if r.status_code == 404:
+            if ok404:
+                return None
+            raise NotFound(f"{self.name}: {method} {path}: not found")
+        if r.status_code >= 400:
+            raise FerryError(f"{self.name}: {method} {path}: {r.status_code} {redact(r.text.strip())[:300]}")
+        return r.json() if r.content else None
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        return await self.request("GET", path, **kwargs)
+
+    async def put(self, path: str, body: Any) -> Any:
+        return await self.request("PUT", path, json=body)
+
+    async def delete(self, path: str, ok404: bool = True) -> Any:
+        return await self.request("DELETE", path, ok404=ok404)
+
+
+def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:
+    """The URI of `cluster`'s first broker with its credentials and `vhost`, for a broker to connect
+    to another (a shovel's destination, a federation upstream). It carries the password: never print it."""
+    parts = urlsplit(cluster.brokers[0].url)
+    creds = cluster.credentials
+    user = quote(creds.user if creds else "guest", safe="")
+    password = quote((creds.password() if creds else None) or "guest", safe="")
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
+    return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}"
+
+
+async def amqp_connect(
+    cluster: RabbitCluster,
+    broker: RabbitBroker | None = None,
+    *,
+    vhost: str = "/",
+    timeout: float = 5.0,
+    robust: bool = False,
+    name: str = "ferry",
+) -> aio_pika.abc.AbstractConnection:
+    """An AMQP connection to one broker of `cluster` (the first by default)."""
+    broker = broker or cluster.brokers[0]
+    creds = cluster.credentials
+    parts = urlsplit(broker.url)
+    kwargs: dict[str, Any] = {
+        "host": parts.hostname,
+        "port": parts.port,
+        "virtualhost": vhost,
+        "login": creds.user if creds else "guest",
+        "password": (creds.password() if creds else None) or "guest",
+        "ssl": parts.scheme == "amqps",
+        "timeout": timeout,
+        "client_properties": {"connection_name": name},
+    }
+    connect = aio_pika.connect_robust if robust else aio_pika.connect
+    try:
+        return await asyncio.wait_for(connect(**kwargs), timeout + 1)
+    except aiormq.exceptions.ProbableAuthenticationError:
+        raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
+    except aiormq.exceptions.InvalidFrameError as exc:
+        # the broker closed the handshake: most often the vhost is missing or not permitted
+        reply = getattr(exc.args[0] if exc.args else None, "reply_text", None) or _close_reply(exc)
+        if reply and "vhost" in reply:
+            raise AuthError(f"{broker.name}: {reply.split(' - ', 1)[-1]}") from None
+        raise BrokerUnavailable(f"{broker.name}: AMQP handshake refused ({reply or exc})") from None
+    except (aiormq.exceptions.AMQPConnectionError, OSError, TimeoutError) as exc:
+        text = str(exc)
+        if "access" in text.lower() and "vhost" in text.lower():
+            raise NotFound(f"{broker.name}: vhost {vhost!r} does not exist or is not permitted") from None
+        raise BrokerUnavailable(
+            f"{broker.name}: AMQP {parts.hostname}:{parts.port} not answering ({type(exc).__name__})"
+        ) from None
+
+
+def _close_reply(exc: BaseException) -> str | None:
+    frame = getattr(exc, "frame", None) or next((a for a in exc.args if hasattr(a, "reply_text")), None)
+    return getattr(frame, "reply_text", None)
+
+
+async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
+    """Every endpoint of every broker: AMQP, management API, MQTT."""
+
+    async def amqp(b: RabbitBroker) -> str:
+        conn = await amqp_connect(cluster, b, timeout=3)
+        props = conn.transport.connection.server_properties if conn.transport else {}
+        await conn.close()
+        return f"RabbitMQ {props.get('version', '?')}"
+
+    async def management(b: RabbitBroker) -> str:
+        async with Management(cluster, b, name=b.name, timeout=3) as m:
+            ov = await m.get("/overview")
+        return f"{ov.get('node')} cluster {ov.get('cluster_name')}"
+
+    checks = []
+    for b in cluster.brokers:
+        checks.append(timed_probe(name, b.name, "client", b.url, amqp(b)))
+        checks.append(timed_probe(name, b.name, "management", b.management_url, management(b)))
+        if b.mqtt_url:
+            creds = cluster.credentials
+            user, pw = (creds.user, creds.password()) if creds else (None, None)
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+    return list(await asyncio.gather(*checks))
+
+
+FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")  # a policy's keys that federate a queue
+
+
+def effective_policy(policies: list[dict[str, Any]], vhost: str, name: str) -> dict[str, Any] | None:
+    """The policy RabbitMQ applies to queue `name`: the highest-priority one whose pattern matches.
+
+    Computed from the policies rather than read from the queue listing, which
+    shows a new policy only after the next statistics emission (seconds later).
+    """
+    matching = [
+        p
+        for p in policies
+        if p["vhost"] == vhost and p.get("apply-to", "all") in ("all", "queues") and re.search(p["pattern"], name)
+    ]
+    return max(matching, key=lambda p: p.get("priority", 0), default=None)

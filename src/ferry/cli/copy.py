@@ -1,0 +1,99 @@
+"""`ferry copy`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ferry.cli.options import JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology
+from ferry.cli.render import out, print_json, progress_bar, redelivered_warning
+
+
+def copy_cmd(
+    source: Annotated[
+        str, typer.Argument(help="jetstream://CLUSTER/STREAM, rabbitmq://CLUSTER/VHOST/QUEUE, parquet:///DIR")
+    ],
+    destination: Annotated[str, typer.Argument(help="Same forms; a RabbitMQ queue may be * (same names).")],
+    mode: Annotated[
+        str, typer.Option(help="JetStream->JetStream: ordered (exact order, resumable) or parallel.")
+    ] = "ordered",
+    partitions: Annotated[
+        int | None, typer.Option(min=1, help="Read/write in N parallel ranges (implies parallel).")
+    ] = None,
+    rate: Annotated[float | None, typer.Option(min=1, help="Messages per second, all tasks together.")] = None,
+    create: Annotated[bool, typer.Option(help="Create a missing destination stream/queue like the source.")] = False,
+    subject_prefix: Annotated[str, typer.Option(help="Prefix added to every subject written to JetStream.")] = "",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    spark_master: SparkMaster = None,
+    spark_remote: SparkRemote = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Copy messages between streams, queues and Parquet, as a Spark job."""
+    from ferry.jobs.copy.plan import CopyOptions, plan_copy
+    from ferry.jobs.copy.run import run_copy
+    from ferry.spark.session import get_session
+
+    topo = open_topology(topology)
+    opts = CopyOptions(
+        mode=mode, partitions=partitions, rate=rate, create=create, dry_run=dry_run, subject_prefix=subject_prefix
+    )
+    plan = plan_copy(topo, source, destination, opts)
+    if dry_run:
+        if as_json:
+            print_json({"dry_run": True, "plan": plan.as_dict()})
+        else:
+            _print_plan(plan.as_dict())
+        return
+    if not as_json:
+        _print_plan(plan.as_dict())
+    spark = get_session(
+        spark_master, spark_remote, app_name=f"ferry copy {source} -> {destination}", data_sources=False
+    )
+    with progress_bar(plan.messages, "copying", enabled=not as_json) as advance:
+        report = run_copy(topo, plan, spark, progress=advance)
+    if as_json:
+        print_json(report.as_dict())
+        return
+    out.print(
+        f"read {report.read:,}, stored {report.stored:,}, already present {report.duplicates:,}, "
+        f"retries {report.retries:,}, {report.bytes / 1e6:.1f} MB of payload in {report.seconds:.1f}s "
+        f"({report.rate:,.0f} msg/s)"
+    )
+    if report.queues:
+        table = Table("vhost", "queue", "before", "moved", "left", "redelivered", "seconds")
+        for r in report.queues:
+            table.add_row(
+                r["vhost"],
+                r["queue"],
+                f"{r['before']:,}",
+                f"{r['moved']:,}",
+                f"{r['left']:,}",
+                f"{r['redelivered']:,}",
+                f"{r['seconds']:.1f}",
+            )
+        out.print(table)
+    if report.possible_duplicates:
+        out.print(redelivered_warning(report.possible_duplicates))
+
+
+def _print_plan(plan: dict[str, Any]) -> None:
+    out.print(
+        f"[bold]{plan['source']}[/] -> [bold]{plan['destination']}[/]: {plan['messages']:,} messages "
+        f"({plan['bytes'] / 1e6:.1f} MB of payload), engine {plan['engine']}"
+        + ("" if plan["queues"] else f", mode {plan['mode']}")  # queues move one task each, in no other mode
+    )
+    for x in plan["queues"]:
+        out.print(
+            f"  queue {x['queue']} (vhost {x['vhost']}): {x['ready']:,} ready"
+            + (f" -> {x['target']}" if x.get("target") else "")
+        )
+    for note in plan["notes"]:
+        out.print(f"  note: {note}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add copy's commands to `app`."""
+    app.command("copy")(copy_cmd)

@@ -1,0 +1,232 @@
+"""The two transfer engines of a DR fail-back: ``shovel`` (one dynamic shovel per queue, at most
+``max_active`` at once) and ``spark`` (the data plane's queue mover, which marks each message with
+``x-ferry-transfer``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
+from ferry.brokers.rabbitmq.wire import QueueCounts
+from ferry.errors import OperationFailed, redact
+from ferry.jobs.dr_failback.journal import write_journal
+from ferry.jobs.dr_failback.plan import EMPTY_WAIT, POLL, SETTLE, SHOVEL_PREFIX, FailbackRequest, queue_label
+from ferry.jobs.shared.events import Emit
+from ferry.topology import Topology
+
+
+def started(make: Callable[[], Any]) -> Callable[[], Any]:
+    """Call `make` now in a background thread; the returned callable waits for its result (or error)."""
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(make())
+        except BaseException as exc:  # raised where the session is asked for, if it ever is
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="spark-session", daemon=True).start()
+    return result.result
+
+
+def spark_move(
+    topo: Topology,
+    journal: dict[str, Any],
+    todo: list[dict[str, Any]],
+    ready: dict[str, int],
+    req: FailbackRequest,
+    spark: Callable[[], Any],
+) -> dict[str, Any]:
+    """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
+    from ferry.jobs.copy.plan import CopyOptions, CopyPlan
+    from ferry.jobs.copy.run import run_copy
+    from ferry.uris import Endpoint
+
+    plan = CopyPlan(
+        Endpoint("rabbitmq", f"rabbitmq://{req.source}", cluster=req.source),
+        Endpoint("rabbitmq", f"rabbitmq://{req.target}", cluster=req.target),
+        CopyOptions(),
+        "mover",
+        queues=[
+            {
+                "vhost": x["vhost"],
+                "queue": x["queue"],
+                "ready": ready[queue_label(x)],
+                "target": x["target"],
+                "target_vhost": x["vhost"],
+            }
+            for x in todo
+        ],
+        transfer_id=journal["id"],
+    )
+    report = run_copy(topo, plan, spark())
+    return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
+
+
+def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
+    return f"{SHOVEL_PREFIX}{journal['id']}-{journal['queues'].index(x)}"
+
+
+def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -> dict[str, Any]:
+    """A dynamic shovel that drains one queue into its target and then deletes itself."""
+    return {
+        "src-protocol": "amqp091",
+        "src-uri": f"amqp:///{q(x['vhost'])}",  # the source node itself
+        "src-queue": x["queue"],
+        "src-delete-after": "queue-length",
+        "dest-protocol": "amqp091",
+        "dest-uri": amqp_uri(topo.rabbitmq(req.target), x["vhost"]),
+        "dest-queue": x["target"],
+        "ack-mode": "on-confirm",
+    }
+
+
+async def run_shovels(
+    topo: Topology,
+    sm: Management,
+    counts: QueueCounts,
+    journal: dict[str, Any],
+    todo: list[dict[str, Any]],
+    ready: dict[str, int],
+    req: FailbackRequest,
+    emit: Emit,
+    progress: Callable[..., None],
+) -> dict[str, Any]:
+    """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty.
+
+    `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress. The
+    journal keeps the shovels created and the possible duplicates, across runs: a shovel an
+    earlier run created that is gone with messages left ended while ferry was down, and the
+    messages it held unacked came back to the queue after they may have reached the target."""
+    present = {p["name"] for p in await _ferry_shovels(sm, journal)}
+    active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
+    pending = [x for x in todo if _shovel_name(journal, x) not in active]
+    created_before = set(journal.setdefault("shovels", []))
+    journal.setdefault("possible_duplicates", 0)
+    journal["possible_duplicates"] += sum(
+        ready[queue_label(x)] for x in pending if _shovel_name(journal, x) in created_before
+    )
+    gone_since: dict[str, float] = {}
+    created_at: dict[str, float] = {}
+    # progress is a new low of a queue's ready count, or a change of its ack count (the management
+    # API's, up to a statistics interval old, 5 s here): a shovel that takes messages it cannot
+    # deliver (a target that refuses them, or blocks every publisher under an alarm) gives them back
+    # unacked, and the last ones it took stay unacked until the target confirms them
+    acks: dict[str, int | None] = {}
+    seen_acks: dict[str, int | None] = {}
+    fewest: dict[str, int] = {}
+    stalled: dict[str, float] = {}  # seconds a queue's shovel existed since it last made progress
+    created = rounds = 0
+    last_emit = last_acks = 0.0
+    last_poll = time.monotonic()
+
+    async def came_back() -> bool:
+        """Whether messages came back to a drained queue once every shovel was gone: deliveries a
+        shovel held unacked return when its channel closes, later on a busy quorum queue than the
+        per-queue settle saw. They may have reached the target too: counted, and shovelled again
+        (three rounds at most, then the count left says so)."""
+        nonlocal rounds
+        if rounds >= 3:
+            return False
+        await asyncio.sleep(SETTLE)
+        back = []
+        for x in todo:
+            ready[queue_label(x)] = await counts.ready(x["vhost"], x["queue"])
+            if ready[queue_label(x)]:
+                back.append(x)
+        rounds += 1
+        for x in back:
+            journal["possible_duplicates"] += ready[queue_label(x)]
+            pending.append(x)
+            emit("came-back", queue=queue_label(x), messages=ready[queue_label(x)])
+        return bool(back)
+
+    while pending or active or await came_back():
+        while pending and len(active) < req.max_active:
+            x = pending.pop(0)
+            name = _shovel_name(journal, x)
+            journal["shovels"] = sorted({*journal["shovels"], name})
+            await write_journal(sm, journal)  # before the shovel exists
+            await sm.put(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)})
+            active[name] = x
+            gone_since.pop(name, None)
+            created_at[name] = time.monotonic()
+            created += 1
+            emit("shovel", queue=queue_label(x), name=name, active=len(active))
+        await asyncio.sleep(POLL)
+        present = {p["name"] for p in await _ferry_shovels(sm, journal)}
+        states = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels") if s["name"] in active}
+        now = time.monotonic()
+        waited, last_poll = now - last_poll, now
+        if now - last_acks >= 1.0:
+            last_acks = now
+            for vhost in {x["vhost"] for x in active.values()}:
+                for item in await sm.get(f"/queues/{q(vhost)}?columns=name,message_stats.ack"):
+                    acks[queue_path(vhost, item["name"])] = (item.get("message_stats") or {}).get("ack")
+        for name, x in list(active.items()):
+            left, consumers = await counts.state(x["vhost"], x["queue"])
+            ready[queue_label(x)] = left
+            acked = acks.get(queue_label(x))
+            moved = left < fewest.get(name, left + 1) or acked != seen_acks.get(name, acked)  # a reset counts too
+            fewest[name], seen_acks[name] = min(left, fewest.get(name, left)), acked
+            if moved:
+                stalled[name] = 0.0
+            elif name in present:
+                stalled[name] = stalled.get(name, 0.0) + waited
+            if name not in present:
+                # it deleted itself (the length it saw at start has been moved), but until its
+                # consumer is gone it may hold unacked messages that come back when its
+                # channel closes (a CI run saw 0 ready, then 158); a foreign consumer is waited out,
+                # and an empty queue must stay empty for SETTLE seconds after the shovel is gone
+                since = now - gone_since.setdefault(name, now)
+                if (consumers and since < 10.0) or (not left and since < SETTLE):
+                    continue
+                del active[name]
+                if left:
+                    # it stopped before its last source acks took effect (seen with quorum queues), or
+                    # was deleted by hand: these may already be at the target, so count them
+                    pending.append(x)
+                    journal["possible_duplicates"] += left  # written before its shovel is created again
+                else:
+                    emit("drained", queue=queue_label(x), active=len(active))
+                continue
+            if stalled.get(name, 0.0) > req.stall_timeout:
+                state = states.get((x["vhost"], name), {})
+                said = ": ".join(str(s) for s in (state.get("state", "not listed"), state.get("reason")) if s)
+                said = " ".join(redact(said).split())  # the reason is an Erlang term, printed over lines
+                raise OperationFailed(
+                    f"shovel for {queue_label(x)} moved no message for {req.stall_timeout:g}s "
+                    f"({said if len(said) <= 300 else said[:300] + ' ...'}); "
+                    "upstreams stay disabled (rerun to continue, or --abort)"
+                )
+            # none ready and none acked for a while: someone else consumed part of the queue, so the
+            # shovel waits for messages that will not come; deleting it requeues any it still holds
+            if left == 0 and min(stalled.get(name, 0.0), now - created_at.get(name, 0.0)) > EMPTY_WAIT:
+                await sm.delete(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}")
+        if now - last_emit >= 0.5:
+            last_emit = now
+            # only shovelled queues change (no upstream feeds them): the rest keep their last count
+            progress(sum(ready.values()), active=len(active), pending=len(pending))
+    return {"shovels_created": created, "possible_duplicates": journal["possible_duplicates"]}
+
+
+async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shovel parameters ferry created in the journal's vhosts."""
+    vhosts = {x["vhost"] for x in journal["queues"]}
+    return [
+        p
+        for p in await sm.get("/parameters/shovel", ok404=True) or []
+        if p["vhost"] in vhosts and p["name"].startswith(SHOVEL_PREFIX)
+    ]
+
+
+async def delete_shovels(sm: Management, journal: dict[str, Any]) -> int:
+    found = await _ferry_shovels(sm, journal)
+    for p in found:
+        await sm.delete(f"/parameters/shovel/{q(p['vhost'])}/{q(p['name'])}")
+    return len(found)

@@ -1,0 +1,285 @@
+"""Running a DR fail-back: journal, disable the upstreams, transfer with an engine, restore, and the
+lock that keeps one fail-back per source broker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ferry.brokers.rabbitmq import Management, q, queue_path
+from ferry.brokers.rabbitmq.wire import QueueCounts
+from ferry.errors import Conflict, FerryError, NotFound, OperationFailed, UsageError
+from ferry.jobs.dr_failback.engines import delete_shovels, run_shovels, spark_move, started
+from ferry.jobs.dr_failback.journal import read_journal, record, write_journal
+from ferry.jobs.dr_failback.plan import (
+    FAILBACK,
+    POLL,
+    FailbackRequest,
+    check_resume,
+    make_plan,
+    preflight,
+    public,
+    queue_label,
+    resume_view,
+    upstream_counts,
+)
+from ferry.jobs.shared.events import Emit, no_emit
+from ferry.spark.session import factory
+from ferry.topology import RabbitCluster, Topology
+
+# -- the journal and the lock ----------------------------------------------------------------------
+
+
+# -- the operation ---------------------------------------------------------------------------------
+
+
+async def failback(
+    topo: Topology, req: FailbackRequest, emit: Emit = no_emit, spark: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """Plan, journal, disable, transfer, restore; resumes a journaled failback. Returns the report.
+
+    `spark` makes the Spark session for the spark engine (default: where ``$FERRY_SPARK_*`` say, else local).
+    """
+    if req.engine not in ("shovel", "spark"):
+        raise UsageError(f"--engine must be shovel or spark, got {req.engine!r}")
+    if req.max_active < 1:
+        raise UsageError("--max-active must be at least 1")
+    src_c, dst_c = topo.rabbitmq(req.source), topo.rabbitmq(req.target)
+    async with Management(src_c, name=req.source) as sm, Management(dst_c, name=req.target) as dm:
+        await preflight(sm, dm, req)
+        vhosts = sorted(v["name"] for v in await sm.get("/vhosts"))
+        lock_vhost = "/" if "/" in vhosts else vhosts[0]
+        if req.dry_run:
+            journal = await read_journal(sm)
+            if journal:
+                return await resume_view(journal, src_c, req)
+            if req.abort:
+                return {"outcome": "nothing to abort", "source": req.source}
+            plan = public(await make_plan(sm, dm, src_c, dst_c, req, vhosts))
+            emit("plan", **plan)
+            return {"outcome": "dry-run" if plan["queues"] else "nothing to do", "plan": plan}
+        async with record(sm).hold(lock_vhost, "another ferry failback is running against this broker"):
+            journal = await read_journal(sm)
+            if journal is None:
+                if req.abort:
+                    return {"outcome": "nothing to abort", "source": req.source}
+                plan = await make_plan(sm, dm, src_c, dst_c, req, vhosts)
+                emit("plan", **public(plan))
+                if not plan["queues"]:
+                    return {"outcome": "nothing to do", "plan": public(plan)}
+                journal = {**plan, "phase": FAILBACK.step(None, "disabling"), "host": socket.gethostname()}
+                journal["upstream_queues"] = await upstream_counts(journal["upstreams"], journal["queues"])
+                await write_journal(sm, journal)  # before any upstream is deleted
+                # from here on, an interrupted run is on record
+                emit("journal", id=journal["id"], upstreams=len(journal["upstreams"]))
+            else:
+                check_resume(journal, req)
+                emit(
+                    "resume",
+                    id=journal["id"],
+                    phase=journal["phase"],
+                    started=journal["started"],
+                    upstreams=len(journal["upstreams"]),
+                )
+            if req.abort:
+                return await _finish(sm, src_c, dst_c, journal, req, emit, aborted=True)
+            if req.engine == "spark" and journal["phase"] in ("disabling", "transferring"):
+                spark = started(
+                    spark or factory(app_name=f"ferry failback {req.source} to {req.target}", data_sources=False)
+                )  # the JVM starts while links go down
+            if journal["phase"] == "disabling":
+                await _disable(sm, journal, emit)
+                journal["phase"] = FAILBACK.step(journal["phase"], "transferring")
+                await write_journal(sm, journal)
+            if journal["phase"] == "transferring":
+                await _links_down(sm, journal, req.link_timeout)
+                engine_report = await _transfer(topo, sm, src_c, journal, req, emit, spark)
+                journal["phase"] = FAILBACK.step(journal["phase"], "restoring")
+                await write_journal(sm, journal)
+            else:
+                engine_report = {}
+            return await _finish(sm, src_c, dst_c, journal, req, emit, engine=engine_report)
+
+
+async def status(topo: Topology, req: FailbackRequest) -> dict[str, Any]:
+    """`ferry failback --status`: the failback on record at the source (phase, queues, what is left)."""
+    src_c = topo.rabbitmq(req.source)
+    async with Management(src_c, name=req.source) as sm:
+        journal = await read_journal(sm)
+    if journal is None:
+        raise NotFound(f"no failback from {req.source} is on record")
+    return await resume_view(journal, src_c, req)
+
+
+async def _disable(sm: Management, journal: dict[str, Any], emit: Emit) -> None:
+    for u in journal["upstreams"]:
+        await sm.delete(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}")
+        emit("upstream-disabled", vhost=u["vhost"], upstream=u["name"])
+
+
+async def _links_down(sm: Management, journal: dict[str, Any], timeout: float) -> None:
+    """Wait until no federation link of the saved upstreams runs (else a consumer would pull)."""
+    names = {(u["vhost"], u["name"]) for u in journal["upstreams"]}
+    deadline = time.monotonic() + timeout
+    while True:
+        for u in journal["upstreams"]:
+            if await sm.get(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}", ok404=True):
+                raise Conflict(
+                    f"upstream {u['name']!r} in vhost {u['vhost']!r} was re-created during the failback; "
+                    "nothing moved (rerun to disable it again, or --abort)"
+                )
+        links = [x for x in await sm.get("/federation-links") if (x["vhost"], x["upstream"]) in names]
+        if not links:
+            return
+        if time.monotonic() > deadline:
+            x = links[0]
+            raise OperationFailed(
+                f"federation link {x['upstream']!r} for {queue_path(x['vhost'], x.get('queue') or x.get('exchange'))} "
+                f"still {x.get('status')} after {timeout:.0f}s; nothing moved (rerun to continue)"
+            )
+        await asyncio.sleep(POLL)
+
+
+# -- transfer ---------------------------------------------------------------------------------------
+
+
+async def _transfer(
+    topo: Topology,
+    sm: Management,
+    src_c: RabbitCluster,
+    journal: dict[str, Any],
+    req: FailbackRequest,
+    emit: Emit,
+    spark: Callable[[], Any] | None,
+) -> dict[str, Any]:
+    counts = QueueCounts(src_c, req.source)
+    try:
+        ready = await _left(counts, journal["queues"])
+        todo = [x for x in journal["queues"] if ready[queue_label(x)] > 0]
+        emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
+        progress = _progress(emit, sum(ready.values()))
+        if req.engine == "shovel":
+            result = await run_shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
+        else:
+            await delete_shovels(sm, journal)  # left by an interrupted shovel run
+            watch = asyncio.create_task(_watch(src_c, req.source, journal, progress))
+            try:
+                result = await asyncio.to_thread(spark_move, topo, journal, todo, ready, req, spark) if todo else {}
+            finally:
+                watch.cancel()
+        progress(sum((await _left(counts, journal["queues"])).values()))
+        return result
+    finally:
+        await counts.close()
+
+
+def _progress(emit: Emit, total: int) -> Callable[..., None]:
+    """Emit progress now (nothing moved yet: a progress bar starts its clock here), and return
+    what emits it from the count left: moved and rate count this transfer's messages and seconds
+    only (a resumed failback's earlier runs are not in them)."""
+    t0 = time.monotonic()
+
+    def progress(left: int, **extra: Any) -> None:
+        moved, seconds = total - left, time.monotonic() - t0
+        emit("progress", moved=moved, total=total, rate=round(moved / seconds) if seconds else 0, **extra)
+
+    progress(total)
+    return progress
+
+
+async def _left(counts: QueueCounts, queues: list[dict[str, Any]]) -> dict[str, int]:
+    return {queue_label(x): await counts.ready(x["vhost"], x["queue"]) for x in queues}
+
+
+async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], progress: Callable[..., None]) -> None:
+    """Progress while Spark moves: its own connections, so cancelling it leaves no reply in flight elsewhere."""
+    counts = QueueCounts(cluster, name)
+    try:
+        while True:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(FerryError):
+                progress(sum((await _left(counts, journal["queues"])).values()))
+    finally:
+        await counts.close()
+
+
+# -- restore and report ------------------------------------------------------------------------------
+
+
+async def _finish(
+    sm: Management,
+    src_c: RabbitCluster,
+    dst_c: RabbitCluster,
+    journal: dict[str, Any],
+    req: FailbackRequest,
+    emit: Emit,
+    engine: dict[str, Any] | None = None,
+    aborted: bool = False,
+) -> dict[str, Any]:
+    """Delete ferry's shovels, restore the upstreams and compare, report, delete the journal."""
+    shovels_deleted = await delete_shovels(sm, journal)
+    src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
+    try:
+        rows = []
+        for x in journal["queues"]:
+            left = await src_counts.ready(x["vhost"], x["queue"])
+            rows.append(
+                {
+                    "vhost": x["vhost"],
+                    "queue": x["queue"],
+                    "target": x["target"],
+                    "type": x["type"],
+                    "before": x["before"],
+                    "moved": x["before"] - left,
+                    "left": left,
+                    "target_before": x["target_before"],
+                    "target_after": await dst_counts.ready(x["vhost"], x["target"]),
+                }
+            )
+    finally:
+        await src_counts.close()
+        await dst_counts.close()
+    if not aborted and any(r["left"] for r in rows):
+        left = ", ".join(f"{queue_label(r)} ({r['left']:,})" for r in rows if r["left"])
+        raise OperationFailed(
+            f"messages left after the transfer: {left}; the upstreams stay disabled (rerun to continue, or --abort)"
+        )
+    upstream_after = await upstream_counts(journal["upstreams"], journal["queues"])
+    restored = []
+    for u in journal["upstreams"]:
+        path = f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}"
+        await sm.put(path, {"value": u["value"]})
+        now = await sm.get(path, ok404=True)
+        same = now is not None and now["value"] == u["value"]
+        restored.append({"vhost": u["vhost"], "upstream": u["name"], "identical": same})
+        emit("upstream-restored", vhost=u["vhost"], upstream=u["name"], identical=same)
+    if not all(r["identical"] for r in restored):
+        raise OperationFailed("an upstream differs from its saved definition after restore; the journal is kept")
+    await record(sm).delete()
+    before = {(u["vhost"], u["upstream"], u["queue"]): u.get("messages") for u in journal.get("upstream_queues", [])}
+    upstream_queues = [
+        {**u, "before": before.get((u["vhost"], u["upstream"], u["queue"])), "after": u.pop("messages")}
+        for u in upstream_after
+    ]
+    report = {
+        "outcome": "aborted" if aborted else "complete",
+        "id": journal["id"],
+        "source": journal["source"],
+        "target": journal["target"],
+        "engine": req.engine,
+        "started": journal["started"],
+        "queues": rows,
+        "total": {k: sum(r[k] for r in rows) for k in ("before", "moved", "left")},
+        "upstreams_restored": restored,
+        "upstream_queues": upstream_queues,
+        "upstream_pulled": sum(
+            (u["before"] or 0) - (u["after"] or 0) for u in upstream_queues if u["before"] is not None
+        ),
+        "shovels_deleted": shovels_deleted,
+        "possible_duplicates": (engine or {}).get("possible_duplicates", 0),
+    }
+    return report

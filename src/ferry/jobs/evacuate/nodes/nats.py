@@ -1,0 +1,238 @@
+"""The NATS backend of evacuation and rebalance: monitoring endpoints (connz, jsz), the system
+account (KICK), and the JetStream API (step-downs, peer-removes, a one-replica stream's move)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+from nats.aio.client import Client
+
+from ferry.brokers import nats as bnats
+from ferry.brokers.nats.jsapi import api as js_api
+from ferry.errors import BrokerUnavailable, FerryError
+from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER, Asset, Nodes, NodeView
+from ferry.journal import KvJournal
+from ferry.topology import NatsCluster
+
+
+class NatsNodes(Nodes):
+    """Counts and moves for the servers of one NATS cluster, through its monitoring
+    endpoints (connz, jsz), the system account (KICK) and the JetStream API."""
+
+    moves_replicas = True  # stream replicas leave with a peer-remove (the cluster picks a spare server)
+
+    def __init__(self, name: str, cluster: NatsCluster, avoid: list[str]) -> None:
+        self.name, self.cluster = name, cluster
+        self.brokers = {b.name: b for b in cluster.brokers}
+        self.avoid = avoid
+        self.nc: Client | None = None
+        self.sysnc: Client | None = None
+        self.account = ""
+
+    async def __aenter__(self) -> NatsNodes:
+        opts = {"name": self.name, "urls": [b.url for b in self.reach_order()], "dont_randomize": True}
+        self.nc = await bnats.connect(self.cluster, client_name=f"{CONTROL}-{self.name}", **opts)
+        try:
+            self.sysnc = await bnats.connect(
+                self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
+            )
+            info = await bnats.sys_request(self.nc, "$SYS.REQ.USER.INFO", timeout=5)
+            self.account = ((info.get("data") or {}).get("account")) or ""
+        except BaseException:
+            await self.nc.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in (self.nc, self.sysnc):
+            if c:
+                with contextlib.suppress(Exception):
+                    await c.close()
+
+    async def view(self, node: str, jetstream: bool = True) -> NodeView:
+        b = self.brokers[node]
+        v = NodeView(node)
+        if not b.monitor_url:
+            v.error = "no monitor_url in the topology"
+            return v
+        try:
+            connz = await bnats.monitor_get(b.monitor_url, "connz", timeout=3, auth="true", limit=1_000_000)
+            jsz = (
+                await bnats.monitor_get(
+                    b.monitor_url, "jsz", timeout=3, accounts="true", streams="true", consumers="true", config="false"
+                )
+                if jetstream
+                else {}
+            )
+        except Exception as exc:  # any failure means the node is not answering
+            v.error = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
+            return v
+        v.up, v.server_id = True, connz.get("server_id", "")
+        v.conns = [c for c in connz.get("connections") or [] if not str(c.get("name", "")).startswith(CONTROL)]
+        for acc in jsz.get("account_details") or []:
+            for s in acc.get("stream_detail") or []:
+                cl = s.get("cluster") or {}
+                peers = [cl.get("leader", "")] + [r["name"] for r in cl.get("replicas") or []]
+                v.assets.append(Asset(acc["name"], s["name"], None, cl.get("leader", ""), [p for p in peers if p]))
+                for c in s.get("consumer_detail") or []:
+                    ccl = c.get("cluster") or {}
+                    cpeers = [ccl.get("leader", "")] + [r["name"] for r in ccl.get("replicas") or []]
+                    v.assets.append(
+                        Asset(acc["name"], s["name"], c["name"], ccl.get("leader", ""), [p for p in cpeers if p])
+                    )
+        return v
+
+    async def kick(self, view: NodeView, cid: int) -> bool:
+        assert self.sysnc
+        try:
+            r = await bnats.sys_request(self.sysnc, f"$SYS.REQ.SERVER.{view.server_id}.KICK", {"cid": cid}, timeout=2)
+        except BrokerUnavailable:
+            return False
+        return not r.get("error")
+
+    def journal(self, key: str) -> KvJournal:
+        assert self.nc
+        return KvJournal(self.nc, key, stale_after=STALE_AFTER, replicas=min(3, len(self.brokers)))
+
+    def movable(self, a: Asset) -> bool:
+        return a.account == self.account and len(a.peers) > 1
+
+    async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
+        """Each leader steps down towards its preferred peer, else wherever its group chooses; '' or the error."""
+        errors = []
+        for a, preferred in moves:
+            err = await self.step_down(a, preferred)
+            if err and preferred:  # the preferred peer may be behind: let the group choose
+                err = await self.step_down(a, None)
+            errors.append(err)
+        return errors
+
+    async def prohibit(self, node: str) -> None:
+        """Nothing to switch on a NATS server: the prohibiting state kicks whatever comes back."""
+
+    async def allow(self, node: str) -> None:
+        """Nothing to switch back."""
+
+    async def step_down(self, a: Asset, preferred: str | None) -> str:
+        """Ask the group's leader to hand over (to `preferred` when given); '' or the error."""
+        assert self.nc
+        subject = (
+            f"$JS.API.CONSUMER.LEADER.STEPDOWN.{a.stream}.{a.consumer}"
+            if a.consumer
+            else f"$JS.API.STREAM.LEADER.STEPDOWN.{a.stream}"
+        )
+        body = {"placement": {"preferred": preferred}} if preferred else b""
+        try:
+            r = await bnats.sys_request(self.nc, subject, body, timeout=3)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
+
+    def single(self, a: Asset, node: str) -> bool:
+        """A one-replica stream on `node` (in an account ferry can manage)."""
+        return a.consumer is None and a.account == self.account and a.peers == [node]
+
+    async def move_single(self, a: Asset, node: str, catch_up_s: float = 120.0) -> tuple[str, bool]:
+        """Move a one-replica stream off `node` without a moment where its only copy is gone: it is
+        scaled to two replicas (the server adds one elsewhere, which catches up from `node`), the
+        new replica takes the lead once it holds everything, and the stream is scaled back to one
+        (a scale-down keeps the leader). Repeating it after an interruption finishes the job.
+
+        ('' or the error, whether to try again later): a scale-up refused for good (the stream's
+        placement allows no other server) changed nothing and is not tried again."""
+        assert self.nc
+        nc, api = self.nc, f"$JS.API.STREAM.%s.{a.stream}"
+        clock = asyncio.get_running_loop().time
+        deadline, asked = clock() + catch_up_s, -10.0
+        try:
+            info = await js_api(nc, api % "INFO")
+            cfg, leader = info["config"], (info.get("cluster") or {}).get("leader") or ""
+            done = cfg["num_replicas"] == 1 and leader not in ("", node)  # an earlier run finished it
+            if cfg["num_replicas"] == 1 and not done:
+                try:
+                    await js_api(nc, api % "UPDATE", {**cfg, "num_replicas": 2})
+                except FerryError as exc:
+                    return str(exc), "move already in progress" in str(exc)  # else e.g. placement allows no other
+            while not done:  # until a replica away from `node` holds everything, and leads
+                cl = (await js_api(nc, api % "INFO")).get("cluster") or {}
+                leader = cl.get("leader") or ""
+                away = [p for p in [leader, *(r["name"] for r in cl.get("replicas") or [])] if p not in ("", node)]
+                if away and await self._holds_all(a, away[0], node):
+                    if leader == away[0]:
+                        break
+                    if clock() - asked > 3 and await self.step_down(a, away[0]) == "":
+                        asked = clock()  # the election takes a moment: ask again only if it did not happen
+                if clock() > deadline:
+                    return f"no replica away from {node} caught up within {catch_up_s:.0f}s", True
+                await asyncio.sleep(0.25)
+            if not done:
+                await js_api(nc, api % "UPDATE", {**cfg, "num_replicas": 1})
+            while await self._copy(a, node) is not None:  # `node` drops its copy a moment after the scale-down
+                if clock() > deadline:
+                    return f"{node} still holds a copy after the scale-down", True
+                await asyncio.sleep(0.25)
+        except (FerryError, httpx.HTTPError) as exc:
+            return str(exc), True
+        return "", True
+
+    async def _holds_all(self, a: Asset, server: str, origin: str) -> bool:
+        """`server`'s copy of a's stream is complete: the server's own health check of the stream
+        passes (no catch-up under way) and, in its own jsz, it stores at least the last sequence
+        `origin` stored a moment before, and each durable consumer's delivered and ack floor are
+        at least origin's. (A Raft peer reported "current" may still be fetching the stream's
+        messages, which travel outside the Raft log, and a consumer follower starts at 0.)"""
+        try:
+            before = await self._copy(a, origin)
+            await bnats.monitor_get(
+                self.brokers[server].monitor_url, "healthz", timeout=3, account=a.account, stream=a.stream
+            )
+            there = await self._copy(a, server)
+        except (FerryError, httpx.HTTPError):
+            return False
+        return (
+            before is not None
+            and there is not None
+            and there["last_seq"] >= before["last_seq"]
+            and all(
+                there_pos >= pos
+                for c, positions in before["consumers"].items()
+                for there_pos, pos in zip(there["consumers"].get(c, (-1, -1)), positions, strict=True)
+            )
+        )
+
+    async def _copy(self, a: Asset, server: str) -> dict[str, Any] | None:
+        """`server`'s own copy of a's stream (its jsz): last sequence and, per durable consumer,
+        (delivered, ack floor) stream sequences; None when it holds none."""
+        jsz = await bnats.monitor_get(
+            self.brokers[server].monitor_url,
+            "jsz",
+            timeout=3,
+            acc=a.account,
+            accounts="true",
+            streams="true",
+            consumers="true",
+            config="true",
+        )
+        for acc in jsz.get("account_details") or []:
+            for s in acc.get("stream_detail") or []:
+                if acc["name"] == a.account and s["name"] == a.stream:
+                    return {
+                        "last_seq": int(s["state"]["last_seq"]),
+                        "consumers": {
+                            c["name"]: (c["delivered"]["stream_seq"], c["ack_floor"]["stream_seq"])
+                            for c in s.get("consumer_detail") or []
+                            if (c.get("config") or {}).get("durable_name")
+                        },
+                    }
+        return None
+
+    async def peer_remove(self, a: Asset, node: str) -> str:
+        assert self.nc
+        try:
+            r = await bnats.sys_request(self.nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
+        except BrokerUnavailable as exc:
+            return str(exc)
+        return (r.get("error") or {}).get("description", "") if not r.get("success") else ""

@@ -1,0 +1,131 @@
+"""What applying a map would change: streams created, updated or retired, patterns changing
+owner and the stored messages that move with them; refusals before anything changes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from nats.aio.client import Client
+
+from ferry.brokers.nats import jsapi
+from ferry.jobs.partition.claims import claimed_maps, foreign_conflicts
+from ferry.jobs.partition.map import PartitionMap
+from ferry.subjects import SubjectIndex, overlap_witness, problem
+
+# -- planning ----------------------------------------------------------------------------------------
+
+
+def stage_subject(stream: str) -> str:
+    return f"ferry.stage.{stream}"
+
+
+async def last_seq(nc: Client, stream: str) -> int:
+    return (await jsapi.stream_info(nc, stream))["state"]["last_seq"]
+
+
+async def list_streams(nc: Client) -> dict[str, dict[str, Any]]:
+    """name -> {config, cluster, messages} of every stream in the account."""
+    out = {}
+    async for info in jsapi.paged(nc, "$JS.API.STREAM.LIST", "streams", lambda n: jsapi.stream_info(nc, n, timeout=10)):
+        out[info["config"]["name"]] = {
+            "config": info["config"],
+            "cluster": (info.get("cluster") or {}).get("name"),
+            "messages": info["state"]["messages"],
+        }
+    return out
+
+
+async def stored_count(nc: Client, stream: str, pattern: str) -> int:
+    """Messages of `stream` matching `pattern` (an ephemeral filtered consumer's pending count)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    jsm = nc.jsm()
+    cfg = ConsumerConfig(filter_subject=pattern, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0)
+    info = await jsm.add_consumer(stream, cfg)
+    with contextlib.suppress(Exception):
+        await jsm.delete_consumer(stream, info.name)
+    return info.num_pending
+
+
+def patterns_of(config: dict[str, Any]) -> list[str]:
+    return [s for s in config.get("subjects") or [] if not s.startswith("ferry.stage.")]
+
+
+async def plan(nc: Client, pmap: PartitionMap, record: dict[str, Any]) -> dict[str, Any]:
+    """What applying `pmap` would change, and what refuses it (nothing changed)."""
+    mine = record["maps"].get(pmap.name) or {}
+    prev = PartitionMap.model_validate(mine["map"]) if mine.get("map") else None
+    streams = await list_streams(nc)
+    ours = {p.stream for p in pmap.partitions} | {p.stream for p in (prev.partitions if prev else [])}
+    refusals = foreign_conflicts(record, pmap)
+    index = pmap.index()
+    # streams outside the map (and outside every claim) may not capture our subjects
+    claimed_elsewhere = {
+        p.stream
+        for m in claimed_maps({"maps": {k: v for k, v in record["maps"].items() if k != pmap.name}})
+        for p in m.partitions
+    }
+    for name, s in sorted(streams.items()):
+        if name in ours or name in claimed_elsewhere:
+            continue
+        for subj in s["config"].get("subjects") or []:
+            if problem(subj):  # the server would not have taken it
+                continue
+            for part, p in index.overlapping(subj):
+                refusals.append(
+                    f"pattern {p!r} of partition {part.name!r} overlaps subject {subj!r} of stream {name!r}, "
+                    f"which is not a partition of map {pmap.name!r}; both would own {overlap_witness(p, subj)!r}"
+                )
+    # who captures what now, among our streams
+    current: SubjectIndex[tuple[str, str]] = SubjectIndex(
+        (q, (name, q)) for name in sorted(ours & set(streams)) for q in patterns_of(streams[name]["config"])
+    )
+    creates, updates, moves, retire = [], [], [], []
+    for part in pmap.partitions:
+        s = streams.get(part.stream)
+        if s is None:
+            creates.append({"partition": part.name, "stream": part.stream, "patterns": part.patterns})
+        else:
+            if part.cluster and s["cluster"] and s["cluster"] != part.cluster:
+                refusals.append(
+                    f"stream {part.stream!r} is in cluster {s['cluster']!r} but the map places partition "
+                    f"{part.name!r} in {part.cluster!r}; move it first: ferry move {part.stream} --to {part.cluster}"
+                )
+            cfg = s["config"]
+            if cfg.get("subject_transform") and not any(x.startswith("ferry.stage.") for x in cfg.get("subjects", [])):
+                refusals.append(f"stream {part.stream!r} has a subject transform; ferry cannot stage a copy into it")
+            before = patterns_of(cfg)
+            if sorted(before) != sorted(part.patterns) or int(cfg.get("num_replicas", 1)) != part.replicas:
+                updates.append(
+                    {"partition": part.name, "stream": part.stream, "from": before, "to": part.patterns}
+                    | ({"replicas": part.replicas} if int(cfg.get("num_replicas", 1)) != part.replicas else {})
+                )
+        for p in part.patterns:
+            for owner in sorted({o for o, _ in current.overlapping(p)}):
+                if owner != part.stream:
+                    moves.append(
+                        {
+                            "from": owner,
+                            "to": part.stream,
+                            "pattern": p,
+                            "messages": await stored_count(nc, owner, p),
+                        }
+                    )
+    for name in sorted(ours - {p.stream for p in pmap.partitions}):
+        if name in streams:
+            keep = [q for q in patterns_of(streams[name]["config"]) if not index.overlapping(q)]
+            retire.append(
+                {"stream": name, "keeps": keep or [f"ferry.retired.{name}"], "messages": streams[name]["messages"]}
+            )
+    return {
+        "map": pmap.name,
+        "previous": bool(prev),
+        "pending": mine.get("pending") is not None,
+        "create": creates,
+        "update": updates,
+        "moves": moves,
+        "retire": retire,
+        "messages_to_move": sum(m["messages"] for m in moves),
+        "refusals": refusals,
+    }

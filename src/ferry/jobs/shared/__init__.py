@@ -1,0 +1,1 @@
+"""What several jobs share: progress events, the capture guard, signal handling."""

@@ -1,0 +1,189 @@
+"""Topology files: valid ones load; each kind of bad one gives one line naming file, line and key."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from ferry.brokers.rabbitmq import amqp_uri
+from ferry.cli import app
+from ferry.errors import ConfigError, FerryError, NotFound, redact
+from ferry.topology import RabbitCluster, parse_topology
+from ferry.uris import parse_uri
+from tests.helpers import VALID
+
+
+def test_valid_file_loads_and_resolves_names() -> None:
+    topo = parse_topology(VALID, "t.yaml")
+    assert topo.nats("east").brokers[0].name == "east-1"
+    assert topo.rabbitmq("ltm").brokers[0].management_url == "http://127.0.0.1:15672"
+    assert topo.site_of("ltm") == "dr"
+    assert topo.cluster("dr") is topo.cluster("ltm")  # a one-cluster site answers to its name
+    with pytest.raises(NotFound, match="unknown cluster 'nope'"):
+        topo.cluster("nope")
+    with pytest.raises(ConfigError, match="is rabbitmq, not nats"):
+        topo.nats("ltm")
+
+
+def _error(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_topology(text, "t.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            "    kind: nats\n",
+            "    kind: nats\n        colour: blue\n",
+            "t.yaml:7: sites.lab.clusters.east.colour: unknown key",
+        ),
+        (
+            "url: nats://127.0.0.1:4222",
+            "url: nats//127.0.0.1:4222",
+            "t.yaml:11: sites.lab.clusters.east.brokers[0].url: invalid URL",
+        ),
+        ("url: nats://127.0.0.1:4222", "url: http://127.0.0.1:4222", "scheme must be one of nats, tls"),
+        (
+            "url: amqp://127.0.0.1:5672",
+            "url: amqp://127.0.0.1",
+            "t.yaml:20: sites.dr.clusters.ltm.brokers[0].url: invalid URL 'amqp://127.0.0.1': no port",
+        ),
+        ("url: amqp://127.0.0.1:5672", "url: amqp://u:hunter2@127.0.0.1:5672", "URL carries a password"),
+        # invalid otherwise too: the password is refused before the URL is quoted in an error
+        ("url: amqp://127.0.0.1:5672", "url: amqp://u:hunter2@127.0.0.1", "URL carries a password"),
+        ("url: nats://127.0.0.1:4222", "url: http://u:hunter2@127.0.0.1:4222", "URL carries a password"),
+        ("kind: rabbitmq", "kind: kafka", "t.yaml:16: sites.dr.clusters.ltm.kind: unknown kind 'kafka'"),
+        ("  dr:\n", "  lab:\n", "t.yaml:13: sites.lab: duplicate key"),
+        (
+            "name: ltm-1",
+            "name: east-1",
+            "t.yaml:19: sites.dr.clusters.ltm.brokers[0].name: duplicate broker name 'east-1'",
+        ),
+        ("{user: ferry, password_env: FERRY_T_LTM}", "{user: ferry, password_env: X, password_file: /y}", "not both"),
+        (
+            "{user: ferry, password_env: FERRY_T_LTM}",
+            "{user: ferry, password: hunter2}",
+            "password: a password never goes in the topology file: give password_env or password_file",
+        ),
+        (
+            "        management_url: http://127.0.0.1:15672\n",
+            "",
+            "t.yaml:19: sites.dr.clusters.ltm.brokers[0].management_url: required key is missing",
+        ),
+    ],
+)
+def test_bad_files_name_line_and_key(old: str, new: str, expected: str) -> None:
+    assert old in VALID
+    message = _error(VALID.replace(old, new))
+    assert expected in message
+    assert "hunter2" not in message
+
+
+def test_duplicate_cluster_across_sites() -> None:
+    text = VALID.replace("      ltm:\n", "      east:\n")
+    assert _error(text).startswith("t.yaml:16: sites.dr.clusters.east: duplicate cluster name (also in site 'lab')")
+
+
+def test_invalid_yaml_names_line() -> None:
+    assert _error("sites:\n  lab: [\n").startswith("t.yaml:3: invalid YAML")
+
+
+def test_missing_env_var_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_APP", "x")
+    monkeypatch.delenv("FERRY_T_SYS", raising=False)
+    monkeypatch.setenv("FERRY_T_LTM", "y")
+    topo = parse_topology(VALID)
+    assert topo.credential_problems() == [
+        "sites.lab.clusters.east.system_credentials: environment variable FERRY_T_SYS is not set"
+    ]
+    with pytest.raises(ConfigError, match="FERRY_T_SYS is not set"):
+        topo.nats("east").system_credentials.password()  # type: ignore[union-attr]
+
+
+def test_cli_check_exit_codes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, value in (("FERRY_T_APP", "a"), ("FERRY_T_SYS", "s"), ("FERRY_T_LTM", "l")):
+        monkeypatch.setenv(var, value)
+    good = tmp_path / "good.yaml"
+    good.write_text(VALID)
+    result = CliRunner().invoke(app, ["topology", "check", str(good), "--no-probe"])
+    assert result.exit_code == 0, result.output
+    assert "2 sites, 2 clusters, 2 brokers" in result.output
+
+    monkeypatch.delenv("FERRY_T_LTM")
+    result = CliRunner().invoke(app, ["topology", "check", str(good), "--no-probe"])
+    assert result.exit_code == 1
+    assert "FERRY_T_LTM is not set" in result.output
+
+
+def test_erlang_access_needs_exactly_one_cookie_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_erlang = VALID.replace(
+        "credentials: {user: ferry, password_env: FERRY_T_LTM}",
+        "credentials: {user: ferry, password_env: FERRY_T_LTM}\n        erlang: {cookie_env: FERRY_T_COOKIE}",
+    )
+    access = parse_topology(with_erlang, "t.yaml").rabbitmq("ltm").erlang
+    assert access is not None and access.epmd_port == 4369
+    monkeypatch.setenv("FERRY_T_COOKIE", "s3cret")
+    assert access.cookie() == "s3cret"
+    monkeypatch.delenv("FERRY_T_COOKIE")
+    with pytest.raises(ConfigError, match="FERRY_T_COOKIE is not set"):
+        access.cookie()
+    for bad in ("{}", "{cookie_env: A, cookie_file: /x}"):
+        with pytest.raises(ConfigError, match="exactly one"):
+            parse_topology(with_erlang.replace("{cookie_env: FERRY_T_COOKIE}", bad), "t.yaml")
+
+
+def test_errors_mask_passwords_and_tokens() -> None:
+    """A broker may echo the URI it refused (RabbitMQ's 400 on a shovel's dest-uri), and a Spark
+    Connect URL may carry a token: no error ferry raises shows either."""
+    message = str(
+        FerryError('400 "amqp://ferry:hunter2@[::1]:5672/%2F" not a valid URI', hint="sc://h:1/;token=hunter2")
+    )
+    assert "hunter2" not in message and "amqp://ferry:***@[::1]:5672" in message and "token=***" in message
+    assert redact("amqp://guest@h:1/ and http://h:15672/api") == "amqp://guest@h:1/ and http://h:15672/api"
+
+
+def test_a_uri_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_uri("jetstream://app:hunter2@east/ORDERS")
+    assert "hunter2" not in str(exc.value) and "give none here" in str(exc.value)
+
+
+def test_an_ipv6_broker_keeps_its_brackets_in_a_shovel_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_V6", "pw")
+    cluster = RabbitCluster.model_validate(
+        {
+            "kind": "rabbitmq",
+            "credentials": {"user": "ferry", "password_env": "FERRY_T_V6"},
+            "brokers": [
+                {"name": "v6-1", "url": "amqp://[::1]:5672", "management_url": "http://[::1]:15672"},
+            ],
+        }
+    )
+    assert amqp_uri(cluster, "/") == "amqp://ferry:pw@[::1]:5672/%2F"
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "refused"),
+    [
+        ("jetstream://east/ORDERS", "jetstream://east/ORDERS", True),
+        ("jetstream://east/ORDERS?subject=orders.a", "jetstream://east/ORDERS", True),
+        ("jetstream://east/ORDERS", "jetstream://west/ORDERS", False),
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F/q0", True),
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F", True),  # the same names
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F?exchange=x", False),  # an exchange routes anywhere
+        ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/other/q0", False),
+        ("parquet:///tmp/x", "parquet:///tmp/x/", True),
+    ],
+)
+def test_a_copy_into_itself_is_refused_before_anything_is_asked(src: str, dst: str, refused: bool) -> None:
+    from ferry.errors import UsageError
+    from ferry.jobs.copy.plan import CopyOptions, _into_itself, plan_copy
+
+    assert _into_itself(parse_uri(src), parse_uri(dst)) is refused
+    if refused:  # no broker is asked: the topology's are not reachable from here
+        with pytest.raises(UsageError, match="copying it into itself would store it twice"):
+            plan_copy(parse_topology(VALID, "t.yaml"), src, dst, CopyOptions())

@@ -1,0 +1,88 @@
+"""Pure logic of `ferry replicate`: where a relay resumes, and the replication's naming."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry.jobs.replicate.plan import Held, Replication, replicable
+from ferry.spark.session import spark_error
+
+
+def test_resume_after_the_highest_and_recheck_only_holes() -> None:
+    assert Held().holes() is None and Held().last == 0  # nothing relayed: start at the beginning
+    contiguous = Held(set(range(5, 101)))
+    assert contiguous.last == 100 and contiguous.holes() is None  # no hole: nothing to replay
+    holes = Held(set(range(5, 101)) - {50, 97})
+    assert holes.holes() == (5, 100)  # a dead relay's unacked publishes: re-check 5..100
+    whole = Held(set(range(3, 11)), whole=True)
+    assert whole.holes() == (1, 10)  # the whole destination was read: 1 and 2 are missing too
+    # a finished micro-batch's end is a floor: nothing at or below it is re-checked, even when the
+    # destination no longer holds it, and it is the resume point when the scan found less
+    assert Held(set(range(5, 101)) - {50}, floor=60).holes() is None
+    assert Held(set(range(5, 101)) - {97}, floor=60).holes() == (61, 100)
+    assert Held(set(), floor=70).last == 70 and Held(set(), floor=70).holes() is None
+
+
+def test_mapping_and_key() -> None:
+    rep = Replication("nyc", "sfo", "ORD*", subject_prefix="nyc.", stream_name="NYC_{stream}")
+    assert rep.key == "relay.nyc.sfo" and rep.dest_stream("ORDERS") == "NYC_ORDERS" and rep.mapped
+    assert not Replication("nyc", "sfo").mapped
+    assert Replication.from_state({**rep.__dict__, "desired": "running", "owner": None}) == rep
+    options = "--streams 'ORD*' --subject-prefix nyc. --stream-name 'NYC_{stream}'"
+    assert rep.start_command() == f"ferry replicate start --from nyc --to sfo {options}"
+    assert Replication("nyc", "sfo").start_command() == "ferry replicate start --from nyc --to sfo"
+
+
+@pytest.mark.parametrize("name", ["X", "{streams}"])
+def test_stream_name_needs_the_placeholder(name: str) -> None:
+    from ferry.errors import UsageError
+    from ferry.jobs.replicate.plan import check
+    from ferry.topology import Topology
+
+    topo = Topology.model_validate(
+        {
+            "version": 1,
+            "sites": {
+                s: {"clusters": {s: {"kind": "nats", "brokers": [{"name": f"{s}-1", "url": "nats://127.0.0.1:4222"}]}}}
+                for s in ("nyc", "sfo")
+            },
+        }
+    )
+    with pytest.raises(UsageError, match="must contain"):
+        check(topo, Replication("nyc", "sfo", stream_name=name))
+
+
+def test_each_stream_is_relayed_to_the_server_that_leads_its_destination() -> None:
+    import json
+
+    from ferry.spark.jetstream import JetStreamDataSource
+    from ferry.topology import NatsCluster
+
+    def cluster(name: str) -> str:
+        brokers = [{"name": f"{name}-{i}", "url": f"nats://127.0.0.1:{4222 + i}"} for i in (1, 2, 3)]
+        return NatsCluster(kind="nats", brokers=brokers).model_dump_json()
+
+    relay_to = {"cluster": cluster("west"), "cluster_name": "west", "leaders": {"A": "west-2"}}
+    options = {"cluster": cluster("east"), "stream": "A,B", "relay_to": json.dumps(relay_to)}
+    relay = JetStreamDataSource(options).streamReader(None).relay
+    assert relay is not None and relay["A"].leader == "west-2" and relay["B"].leader == ""
+    assert relay["A"].name == relay["B"].name == "west"  # the rest of the write options as given
+
+
+def test_a_glob_leaves_out_each_site_s_own_streams() -> None:
+    names = ["ORDERS", "KV_ferry_journal", "$MQTT_sess", "$MQTT_msgs", "OTHER"]
+    assert replicable(names, "*") == ["ORDERS", "OTHER"]
+    assert replicable(names, "$MQTT_*") == []
+
+
+def test_a_failed_relay_query_is_told_by_its_cause() -> None:
+    """Spark's first line of a streaming source's failure is its own; the task's exception comes last."""
+    text = (
+        "[PYTHON_STREAMING_DATA_SOURCE_RUNTIME_ERROR] Failed when Python streaming data source perform "
+        "latestOffset: Traceback (most recent call last):\n"
+        '  File "/x/ferry/pipeline/jetstream.py", line 700, in latestOffset\n'
+        "    return asyncio.run(self._latest())\n"
+        "ferry.errors.BrokerUnavailable: cannot connect to nyc: connection refused\n"
+        "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.latestOffset(x.scala:1)\n"
+    )
+    assert str(spark_error(Exception(text))) == "cannot connect to nyc: connection refused"

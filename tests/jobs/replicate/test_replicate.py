@@ -1,0 +1,389 @@
+"""`ferry replicate` and `ferry site` on the `sites` lab (nyc and sfo, real nats-servers), the audit as judge.
+
+Each test defines the one nyc -> sfo replication over its own stream and stops it at the end.
+Relays are real `ferry replicate run` processes (each its own Spark driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ferry import lab
+from ferry.lab.procs import free_ports
+from ferry.topology import load_topology
+from tests.helpers import FERRY, ferry, judge, make_stream, read_stream, stream_count, wait_for
+
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]
+
+
+class Relay:
+    """One `ferry replicate run --json` process; its events read from a file."""
+
+    def __init__(self, topology: Path, tmp: Path, source: str, dest: str, *extra: str) -> None:
+        self.log = tmp / f"relay-{source}-{dest}-{time.monotonic_ns()}.log"
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        args = [*FERRY, "replicate", "run", "--from", source, "--to", dest, "--json", *extra]
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = self.log.read_text().splitlines()
+        return [json.loads(x) for x in lines if x.startswith('{"event"')]
+
+    def event(self, name: str, timeout: float = 120) -> dict[str, Any]:
+        def seen() -> dict[str, Any] | None:
+            if self.proc.poll() is not None and self.proc.returncode:
+                raise AssertionError(f"relay exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            return next((e for e in self.events() if e["event"] == name), None)
+
+        return wait_for(seen, timeout, f"relay event {name!r}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.wait(timeout=30)
+
+
+def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float) -> subprocess.Popen:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), "--duration", str(seconds)]
+    args += ["--producers", "4", "--ledger", str(ledger), "--json"]
+    return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(p: subprocess.Popen) -> dict[str, Any]:
+    out, errs = p.communicate(timeout=180)
+    assert out.strip(), errs[-2000:]
+    return json.loads(out)
+
+
+def same_count(topo: Any, stream: str, timeout: float = 90) -> int:
+    """Wait until sfo holds as many messages of `stream` as nyc; that count."""
+    return wait_for(
+        lambda: (n := stream_count(topo, "nyc", stream)) == stream_count(topo, "sfo", stream) and n, timeout, "sfo"
+    )
+
+
+def ids(topo: Any, site: str, stream: str) -> list[str]:
+    return [r["msg_id"] for r in asyncio.run(read_stream(topo, site, stream))]
+
+
+def acked(*ledgers: Path) -> list[str]:
+    """The ids the ledgers record as acked (a cheap judge next to one Spark audit per test)."""
+    import pyarrow.parquet as pq
+
+    return [r["id"] for p in ledgers for r in pq.read_table(p).to_pylist() if r["outcome"] == "acked"]
+
+
+def exactly_once(topo: Any, site: str, stream: str, ledgers: list[Path]) -> None:
+    held = ids(topo, site, stream)
+    assert len(held) == len(set(held)), f"{site}: {len(held) - len(set(held))} duplicates"
+    missing = set(acked(*ledgers)) - set(held)
+    assert not missing, f"{site}: {len(missing)} acked messages missing"
+
+
+@pytest.fixture
+def topology(sites: lab.LabState) -> Iterator[Path]:
+    path = sites.path / "topology.yaml"
+    yield path
+    for source, dest in (("nyc", "sfo"), ("sfo", "nyc")):  # so a failed test leaves no replication running
+        ferry("replicate", "stop", "--from", source, "--to", dest, "--wait", "0", topology=path)
+
+
+def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") -> None:
+    """`stream` at both sites (again), the destination's allowing fast batches, as ferry creates it."""
+    topo = load_topology(topology)
+    for site in (source, dest):
+        allow = site == dest or None
+        asyncio.run(make_stream(topo, site, stream, [f"{stream.lower()}.>"], replicas=1, allow_batched=allow))
+    ferry("replicate", "start", "--from", source, "--to", dest, "--streams", stream, topology=topology, check=True)
+
+
+def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path, spark: Any) -> None:
+    topo = load_topology(topology)
+    define(topology, "RATE")
+    (port,) = free_ports(1)
+    relay = Relay(topology, tmp_path, "nyc", "sfo", "--metrics-port", str(port))
+    try:
+        resume = relay.event("resume")
+        assert resume["after"] == {"RATE": 0} and resume["batched"] is True, resume  # ferry created RATE at sfo
+        relay.event("relaying")
+        summary = finished(load(topology, "nyc", "rate.{n}", tmp_path / "ledger", 5000, 60))
+        # 300,000 offered; a busy machine's load generator falls behind (a CI run's move test sent 76 %)
+        assert summary["acked"] == summary["sent"] >= 200_000, summary
+        n = same_count(topo, "RATE")
+        assert n == summary["acked"]
+
+        a = judge(spark, topology, [tmp_path / "ledger"], "jetstream://sfo/RATE", tmp_path / "audit.html")
+        assert a["lost"] == 0 and a["extra_copies"] == 0 and a["unexpected"] == 0, a
+        assert a["delay"]["p99_ms"] < 2000, a["delay"]  # sent at nyc -> stored at sfo
+
+        first = asyncio.run(read_stream(topo, "sfo", "RATE"))[0]
+        h = dict(first["headers"])
+        assert (h["Ferry-Origin-Site"], h["Ferry-Origin-Stream"], h["Ferry-Origin-Seq"]) == ("nyc", "RATE", "1")
+        assert first["msg_id"] == h["Ferry-Origin-Msg-Id"]  # the original id, so a re-send is a duplicate
+
+        status = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        (mine,) = [s for s in status if s.get("source") == "nyc"]
+        assert mine["leader"]["pid"] == relay.proc.pid and mine["state"] == "relaying"
+        wait_for(lambda: ferry_progress(topology)["relayed"] == n, 10, "status to show everything relayed")
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert f'ferry_replicate_relayed_seq{{dest="sfo",source="nyc",stream="RATE"}} {float(n)}' in metrics
+
+        stopped = json.loads(
+            ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--json", topology=topology, check=True).stdout
+        )
+        assert stopped["state"] == "stopped" and stopped["marker"] == {"RATE": n}
+        assert relay.proc.wait(timeout=30) == 0
+    finally:
+        relay.close()
+
+
+def ferry_progress(topology: Path) -> dict[str, Any]:
+    status = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+    (mine,) = [s for s in status if s.get("source") == "nyc"]
+    return next(iter((mine.get("progress") or {"": {"relayed": None}}).values()))
+
+
+def replication(topology: Path, source: str = "nyc", dest: str = "sfo") -> dict[str, Any]:
+    """`ferry replicate status --json`'s row of SOURCE -> DEST."""
+    status = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+    (row,) = [s for s in status if (s.get("source"), s.get("dest")) == (source, dest)]
+    return row
+
+
+def test_status_tells_a_started_replication_from_a_running_relay(topology: Path, tmp_path: Path) -> None:
+    """`start` only defines: no relay runs until `ferry replicate run`, and after `stop` none does."""
+    topo = load_topology(topology)
+    define(topology, "STAT")
+    start = ("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "STAT", "--dry-run")
+    same = json.loads(ferry(*start, "--json", topology=topology, check=True).stdout)
+    assert same["already"] and same["dest_streams"] == {"STAT": "STAT"}, same
+    other = ferry(*start, "--stream-name", "X_{stream}", topology=topology)  # refused as the real one is
+    assert other.returncode != 0 and "already running with other settings" in other.stderr, other.stderr
+    prefix = ferry(*start, "--subject-prefix", "bad prefix.", topology=topology)
+    assert prefix.returncode != 0 and "'bad prefix.' makes no valid subject" in prefix.stderr, prefix.stderr
+    row = replication(topology)
+    assert row["desired"] == "running" and row["leader"] is None, row  # the journal's fields stay
+    assert row.get("live") is False and row.get("relay") == "none", row
+    assert row.get("summary") == "started, no relay running" and row.get("intent") == "started", row
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    try:
+        relay.event("relaying")
+        producers = load(topology, "nyc", "stat.{n}", tmp_path / "ledger", 500, 10)
+
+        def relaying() -> dict[str, Any] | None:
+            r = replication(topology)
+            rates = [p.get("rate") for p in (r.get("progress") or {}).values()]
+            return r if r.get("live") and any(rates) else None
+
+        row = wait_for(relaying, 60, "status to show the relay relaying")
+        assert row["relay"] == "running" and row["leader"]["pid"] == relay.proc.pid, row
+        assert row["summary"].startswith(f"running (leader {row['leader']['host']}:{relay.proc.pid}, heartbeat "), row
+        assert 0 <= row["heartbeat_age_s"] < 5 and row["progress_age_s"] < 5, row
+        n = finished(producers)["acked"]
+        assert same_count(topo, "STAT") == n
+
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
+        assert relay.proc.wait(timeout=30) == 0
+        row = replication(topology)
+        assert row["desired"] == "stopped" and row["live"] is False and row["leader"] is None, row
+        assert row["relay"] == "none" and row["summary"] == "stopped" and row["intent"] == "stopped", row
+        stream = row["progress"]["STAT"]
+        assert stream["rate"] is None and stream["last_rate"] is not None, row  # no live rate, the last one labelled
+        assert row["progress_age_s"] is not None and row["heartbeat_age_s"] is None, row
+        assert (stream["lag"], stream["lag_at"]) == (0, "now"), row
+        again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology, timeout=60)
+        assert (
+            again.returncode == 0
+            and "`ferry replicate start --from nyc --to sfo --streams STAT` starts it again" in again.stderr
+        ), again.stderr
+        more = finished(load(topology, "nyc", "stat.{n}", tmp_path / "ledger2", 500, 2))["acked"]
+        stream = replication(topology)["progress"]["STAT"]  # nothing relays them: the backlog grows
+        assert (stream["lag"], stream["lag_at"]) == (more, "now") and stream["lag_s"] > 0, stream
+    finally:
+        relay.close()
+
+
+def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
+    topology: Path, tmp_path: Path, spark: Any
+) -> None:
+    topo = load_topology(topology)
+    define(topology, "FAIL")
+    a, b, c = Relay(topology, tmp_path, "nyc", "sfo"), None, None
+    try:
+        a.event("resume")
+        b = Relay(topology, tmp_path, "nyc", "sfo")
+        assert b.event("standby")["leader"]["pid"] == a.proc.pid
+        producers = load(topology, "nyc", "fail.{n}", tmp_path / "ledger", 2000, 12)
+        wait_for(lambda: stream_count(topo, "sfo", "FAIL") > 3000, 60, "relaying")
+
+        def checkpoints() -> list[Path]:
+            return list(Path(tempfile.gettempdir()).glob(f"ferry-relay-{a.proc.pid}-*"))
+
+        assert len(checkpoints()) == 1, "the active relay's Spark checkpoint"
+        a.kill()  # SIGKILL: no marker; the standby must ask sfo where to resume
+        killed = time.time()
+        took_over = b.event("active", timeout=30)["t"] - killed
+        assert took_over < 5.0, took_over
+        resume = b.event("resume")
+        assert resume["source"] == "destination" and resume["after"]["FAIL"] > 3000
+        b.event("relaying")
+        assert not checkpoints(), "the killed relay's checkpoint was left behind"
+        summary = finished(producers)
+        same_count(topo, "FAIL")
+        got = judge(spark, topology, [tmp_path / "ledger"], "jetstream://sfo/FAIL", tmp_path / "audit.html")
+        assert got["acked"] == summary["acked"] and got["lost"] == 0 and got["extra_copies"] == 0, got
+
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
+        assert b.proc.wait(timeout=30) == 0
+        more = finished(load(topology, "nyc", "fail.{n}", tmp_path / "ledger2", 1000, 3))
+        ferry("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "FAIL", topology=topology, check=True)
+        c = Relay(topology, tmp_path, "nyc", "sfo")
+        assert c.event("resume")["source"] == "marker"
+        n = same_count(topo, "FAIL")
+        assert n == summary["acked"] + more["acked"]
+        sfo = ids(topo, "sfo", "FAIL")
+        assert len(sfo) == len(set(sfo)) == n
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
+    finally:
+        for r in (a, b, c):
+            if r:
+                r.close()
+
+
+def test_both_ways_without_cycles(topology: Path, tmp_path: Path, spark: Any) -> None:
+    topo = load_topology(topology)
+    define(topology, "BI", "nyc", "sfo")
+    define(topology, "BI", "sfo", "nyc")  # made again: sfo's BI does not allow batches, nyc's does
+    relays = [Relay(topology, tmp_path, "nyc", "sfo"), Relay(topology, tmp_path, "sfo", "nyc")]
+    try:
+        assert [r.event("resume")["batched"] for r in relays] == [False, True]  # both ways of publishing
+        loads = [
+            load(topology, "nyc", "bi.nyc.{n}", tmp_path / "ledger-nyc", 1000, 5),
+            load(topology, "sfo", "bi.sfo.{n}", tmp_path / "ledger-sfo", 1000, 5),
+        ]
+        n = sum(finished(p)["acked"] for p in loads)
+        for site in ("nyc", "sfo"):
+            wait_for(lambda site=site: stream_count(topo, site, "BI") >= n, 90, f"{site} to hold both sites' writes")
+        time.sleep(2.0)  # a cycle would keep adding copies now
+        ledgers = [tmp_path / "ledger-nyc", tmp_path / "ledger-sfo"]
+        for site in ("nyc", "sfo"):
+            assert stream_count(topo, site, "BI") == n
+        exactly_once(topo, "nyc", "BI", ledgers)
+        got = judge(spark, topology, ledgers, "jetstream://sfo/BI", tmp_path / "audit.html")
+        assert got["lost"] == 0 and got["extra_copies"] == 0 and got["unexpected"] == 0, got
+        for source, dest in (("nyc", "sfo"), ("sfo", "nyc")):
+            ferry("replicate", "stop", "--from", source, "--to", dest, topology=topology, check=True)
+    finally:
+        for r in relays:
+            r.close()
+
+
+async def _failback_held(topo: Any) -> bool:
+    """Whether a site failback to nyc holds its key in nyc's journal."""
+    from ferry.brokers import nats as bnats
+    from ferry.journal import KvJournal
+
+    async with bnats.session(topo.nats("nyc")) as nc:
+        return await KvJournal(nc, "site-failback").open() is not None
+
+
+def test_site_failover_and_failback_keep_every_acked_message_once(
+    sites: lab.LabState, topology: Path, tmp_path: Path, spark: Any
+) -> None:
+    """Load at nyc; the relay falls behind (paused) and nyc dies; fail over to sfo; load at sfo;
+    nyc returns; fail back: every acked message exists exactly once at both sites."""
+    topo = load_topology(topology)
+    define(topology, "CYC")
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    nyc = sites.proc("nyc-1")
+    try:
+        relay.event("resume")
+        # 14 s: still publishing when the relay stops (a loaded CI run relayed all of 8 s before it did)
+        producers = load(topology, "nyc", "cyc.nyc.{n}", tmp_path / "ledger-nyc", 2000, 14)
+        wait_for(lambda: stream_count(topo, "sfo", "CYC") > 2000, 60, "relaying")
+        relay.kill(signal.SIGSTOP)  # replication lags: what nyc acks now is not at sfo yet
+        time.sleep(2.0)
+        nyc.signal(signal.SIGKILL)  # the site fails
+        wait_for(lambda: not nyc.alive(), 10, "nyc to die")
+        at_nyc = finished(producers)["acked"]
+
+        args = ["site", "failover", "--to", "sfo", "--json"]
+        dry = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)
+        assert dry["dry_run"] and dry["from"] == "nyc" and not dry["source_reachable"], dry
+        assert replication(topology)["desired"] == "running", "a dry run changed the replication"
+        fo = json.loads(ferry(*args, topology=topology, check=True).stdout)
+        replicated = fo["failover"]["replicated"]["CYC"]
+        assert dry["replicated"]["CYC"] == replicated, (dry, fo)  # the relay is paused: sfo holds the same
+        assert fo["primary"] == "sfo" and 2000 < replicated < at_nyc and not fo["source_reachable"]
+        relay.kill(signal.SIGCONT)  # the old relay wakes up fenced: it must stop, not relay
+        assert relay.proc.wait(timeout=60) == 0
+        again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology, timeout=60)
+        assert again.returncode == 0 and "`ferry site failback --to nyc` once nyc is back" in again.stderr, again.stderr
+        rows = {
+            r["site"]: r for r in json.loads(ferry("site", "status", "--json", topology=topology, check=True).stdout)
+        }
+        assert rows["sfo"]["primary"] == "sfo" and rows["sfo"]["failover"]["from"] == "nyc", rows
+        assert "unreachable" in rows["nyc"] and not rows["sfo"]["failback_running"], rows  # nyc is down
+        unsure = ferry("site", "failback", "--to", "sfo", topology=topology)  # nyc, down, may have taken over
+        assert unsure.returncode != 0 and "and nyc did not answer; try again" in unsure.stderr, unsure.stderr
+        at_sfo = finished(load(topology, "sfo", "cyc.sfo.{n}", tmp_path / "ledger-sfo", 1000, 4))["acked"]
+
+        nyc.start()
+        sites.save()
+        wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        args = ["site", "failback", "--to", "nyc", "--json"]
+        plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["streams"]["CYC"]
+        assert plan["replicated"] == replicated and plan["after_replicated"] >= at_nyc - replicated, plan
+        assert plan["primary_messages"] == replicated + at_sfo, plan
+        first = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: asyncio.run(_failback_held(topo)) or first.poll() is not None, 60, "the failback's lock")
+        second = ferry(*args, topology=topology)  # while the first runs: refused, nothing copied twice
+        assert second.returncode != 0 and "a failback to nyc is already running" in second.stderr, second.stderr
+        out, errs = first.communicate(timeout=300)
+        assert first.returncode == 0, errs[-2000:]
+        assert not asyncio.run(_failback_held(topo))  # released
+        fb = json.loads(out)
+        cyc = fb["streams"]["CYC"]
+        # a message nyc stored but could not ack before it died counts too
+        assert cyc["rpo"] == cyc["recovered"] >= at_nyc - replicated > 0, cyc
+        assert cyc["brought"] == at_sfo, cyc
+        assert "no relay running" in fb["replication"] and "(running)" not in fb["replication"], fb
+        rerun = json.loads(ferry(*args, topology=topology, check=True).stdout)  # done: nothing to do, exit 0
+        assert rerun["already"] and rerun["failback"]["from"] == "sfo", rerun
+        rows = {
+            r["site"]: r for r in json.loads(ferry("site", "status", "--json", topology=topology, check=True).stdout)
+        }
+        assert rows["nyc"]["primary"] == rows["sfo"]["primary"] == "nyc" and rows["nyc"]["failback"]["from"] == "sfo"
+
+        ledgers = [tmp_path / "ledger-nyc", tmp_path / "ledger-sfo"]
+        got = judge(spark, topology, ledgers, "jetstream://nyc/CYC", tmp_path / "audit.html")
+        assert got["lost"] == 0 and got["extra_copies"] == 0 and got["unexpected"] == 0, got
+        exactly_once(topo, "sfo", "CYC", ledgers)
+        for site in ("nyc", "sfo"):
+            assert stream_count(topo, site, "CYC") == replicated + cyc["rpo"] + at_sfo
+        again = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        assert any(s.get("source") == "nyc" and s.get("desired") == "running" for s in again)
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
+    finally:
+        relay.close()
+        if not nyc.alive():
+            nyc.start()
+            sites.save()
