@@ -24,10 +24,13 @@ from ferry.topology import Topology, load_topology
 from tests.conftest import profile_topology
 from tests.helpers import make_stream
 
+KindLab = tuple[Topology, str, lab.LabState]
 KINDS = {"nats": ("supercluster", "east"), "rabbitmq": ("rabbit_dr", "pc1")}
 
 
-def lab_topology(kind: str, request: pytest.FixtureRequest) -> tuple[Topology, str, lab.LabState]:
+@pytest.fixture
+def kind_lab(kind: str, request: pytest.FixtureRequest) -> KindLab:
+    """The kind's lab, started here (a plain fixture) and not from inside a test's event loop."""
     fixture, cluster = KINDS[kind]
     state = request.getfixturevalue(fixture)
     return profile_topology(state), cluster, state
@@ -59,8 +62,8 @@ def test_every_kind_declares_what_it_can_do_and_what_is_worth_retrying() -> None
 
 @pytest.mark.lab
 @pytest.mark.parametrize("kind", KINDS)
-async def test_a_probe_answers_for_every_endpoint(kind: str, request: pytest.FixtureRequest) -> None:
-    topo, cluster, _ = lab_topology(kind, request)
+async def test_a_probe_answers_for_every_endpoint(kind: str, kind_lab: KindLab) -> None:
+    topo, cluster, _ = kind_lab
     probe = brokers.KINDS[kind]
     probes = await (bnats.probe if kind == "nats" else rabbit_probe)(cluster, topo.cluster(cluster))
     assert probes and all(p.ok for p in probes), [(p.endpoint, p.detail) for p in probes if not p.ok]
@@ -74,9 +77,9 @@ async def test_a_probe_answers_for_every_endpoint(kind: str, request: pytest.Fix
 @pytest.mark.lab
 @pytest.mark.parametrize("kind", KINDS)
 async def test_wrong_credentials_are_an_authorization_error_not_worth_retrying(
-    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+    kind: str, kind_lab: KindLab, tmp_path: Path
 ) -> None:
-    _, cluster, state = lab_topology(kind, request)
+    _, cluster, state = kind_lab
     topo = with_password(state, tmp_path, "not-the-password")
     connect: Callable[[], Awaitable[Any]] = (
         (lambda: bnats.connect(topo.nats(cluster), name=cluster, timeout=3))
@@ -94,10 +97,8 @@ async def test_wrong_credentials_are_an_authorization_error_not_worth_retrying(
 
 @pytest.mark.lab
 @pytest.mark.parametrize("kind", KINDS)
-async def test_a_broker_that_does_not_answer_is_unavailable_and_worth_retrying(
-    kind: str, request: pytest.FixtureRequest
-) -> None:
-    topo, cluster, _ = lab_topology(kind, request)
+async def test_a_broker_that_does_not_answer_is_unavailable_and_worth_retrying(kind: str, kind_lab: KindLab) -> None:
+    topo, cluster, _ = kind_lab
     c = topo.cluster(cluster)
     dead = c.model_copy(
         update={"brokers": [b.model_copy(update={"url": b.url.rsplit(":", 1)[0] + ":9"}) for b in c.brokers[:1]]}
@@ -117,10 +118,8 @@ def _messages(n: int) -> pa.RecordBatch:
 
 @pytest.mark.lab
 @pytest.mark.parametrize("kind", KINDS)
-async def test_what_is_written_reads_back_the_same_in_the_common_schema(
-    kind: str, request: pytest.FixtureRequest
-) -> None:
-    topo, cluster, _ = lab_topology(kind, request)
+async def test_what_is_written_reads_back_the_same_in_the_common_schema(kind: str, kind_lab: KindLab) -> None:
+    topo, cluster, _ = kind_lab
     sent = _messages(50)
     got: list[pa.RecordBatch] = []
     if kind == "nats":

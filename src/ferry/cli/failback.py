@@ -23,6 +23,8 @@ from ferry.cli.render import (
 
 # -- failback -------------------------------------------------------------------------------
 
+DUPLICATES_EXIT = 3  # finished, but some messages may have been delivered twice (as `ferry audit` finding losses)
+
 
 def failback_cmd(
     source: Annotated[str, typer.Option("--from", help="The DR RabbitMQ cluster holding orphaned messages.")],
@@ -107,7 +109,13 @@ def failback_cmd(
         raise
     if as_json:
         print_json(report)
-        return
+    else:
+        _print_report(report, source, target, engine)
+    if report.get("possible_duplicates"):
+        raise typer.Exit(DUPLICATES_EXIT)
+
+
+def _print_report(report: dict[str, Any], source: str, target: str, engine: str) -> None:
     if "resuming" in report:
         _print_resuming(report)
         return
@@ -119,7 +127,9 @@ def failback_cmd(
         return
     if report["outcome"] == "dry-run":
         return
-    table = Table("vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after")
+    table = Table(
+        "vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after", "duplicates?"
+    )
     table.caption = "upstream queues: " + ", ".join(
         f"{u['queue']} via {u['upstream']} {count_or_unknown(u['before'])} -> {count_or_unknown(u['after'])}"
         for u in report["upstream_queues"]
@@ -134,6 +144,7 @@ def failback_cmd(
             f"{r['left']:,}",
             f"{r['target_before']:,}",
             f"{r['target_after']:,}",
+            f"≤ {r['possible_duplicates']:,}" if r["possible_duplicates"] else "0",
         )
     out.print(table)
     t = report["total"]
@@ -144,7 +155,13 @@ def failback_cmd(
         + (f"; leftover shovels removed: {report['shovels_deleted']}" if report["shovels_deleted"] else "")
     )
     if report["possible_duplicates"]:
-        out.print(redelivered_warning(report["possible_duplicates"]))
+        out.print(
+            f"[yellow]up to {report['possible_duplicates']:,} messages may have reached {target} twice: a "
+            "shovel ended (restarted, deleted, a node lost) after the target confirmed messages whose ack "
+            f"never reached {source} (exit {DUPLICATES_EXIT})[/]"
+            if engine == "shovel"
+            else redelivered_warning(report["possible_duplicates"])
+        )
 
 
 def interrupted_note(source: str, target: str, engine: str, begun: list[tuple[str, dict[str, Any]]]) -> str:

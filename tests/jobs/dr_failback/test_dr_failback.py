@@ -20,6 +20,7 @@ import pytest
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.brokers.rabbitmq.queue_io import headers_from_json
+from ferry.jobs.dr_failback.plan import PREFETCH
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.topology import Topology
@@ -193,9 +194,10 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["outcome"] == "complete"
+    assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
     rows = [r for r in report["queues"] if r["vhost"] in VHOSTS]
     assert [r["moved"] for r in rows] == [_expected(r["vhost"], r["queue"]) for r in rows]
+    assert all(r["possible_duplicates"] == r["arrived"] == 0 for r in rows), rows
     assert len(rows) == 10 and all(r["left"] == 0 for r in rows)
     assert all(u["identical"] for u in report["upstreams_restored"])
     assert report["upstream_pulled"] == 0
@@ -213,8 +215,8 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     expected = last["moved"] / (last["t"] - first["t"])
     assert abs(last["rate"] - expected) < 0.2 * expected, (last, first)
 
-    tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
-    assert tier["lost"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE
+    tier = _audit(spark, dr, tmp_path)  # every message once, counted by id (quorum queues too: issue 46)
+    assert tier["lost"] == tier["extra_copies"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE
 
     again = ferry("failback", "--from", "ltm", "--to", "pc1", "--json", topology=topology, check=True)
     assert json.loads(again.stdout)["outcome"] == "nothing to do"
@@ -242,9 +244,10 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path:
     elsewhere = tmp_path / "another-machine"
     elsewhere.mkdir()
     result = ferry(*args, "--json", topology=topology, cwd=elsewhere)
-    assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["outcome"] == "complete" and report["total"]["left"] == 0
+    assert result.returncode == (3 if report["possible_duplicates"] else 0), result.stderr[-3000:]
+    assert report["outcome"].startswith("complete") and report["total"]["left"] == 0
+    assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     assert report["total"]["before"] == 10 * PER_QUEUE + 1  # from the journal: the counts before the first run
     _assert_done(dr)
     tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
@@ -255,8 +258,8 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--max-active", "2")
 
-    def transfer_under_way() -> bool:
-        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 9 * PER_QUEUE
+    def transfer_under_way() -> bool:  # early, so the two shovels still have most of their queues
+        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 10 * PER_QUEUE - 500
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
     # the broker keeps shovelling without ferry; the rerun adopts the shovels still running. One
@@ -274,10 +277,13 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     requeued = asyncio.run(queue_depth(topo, "ltm", ended["vhost"], queue))
     assert requeued > 0
     result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 3, result.stderr[-3000:]  # finished, with possible duplicates
     report = json.loads(result.stdout)
-    assert report["outcome"] == "complete" and report["total"]["left"] == 0
-    assert report["possible_duplicates"] >= requeued
+    assert report["outcome"].startswith("complete, with up to") and report["total"]["left"] == 0
+    # at most what the deleted shovel held unacked (its prefetch) may have reached pc1 before
+    (row,) = [r for r in report["queues"] if (r["vhost"], r["queue"]) == (ended["vhost"], queue)]
+    assert 0 < row["possible_duplicates"] <= PREFETCH, row
+    assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     _assert_done(dr)
     assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
 
@@ -348,7 +354,7 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
     args = ["failback", "--from", "ltm", "--to", "pc1"]
     asyncio.run(write("^$"))
     try:
-        stalls("terminated|starting")
+        stalls("terminated|starting|running")  # refused, it restarts over and over
         lab_rabbit.tool(pc1, "rabbitmqctl", "set_vm_memory_high_watermark", "0")
         try:
             asyncio.run(write(".*"))
@@ -358,7 +364,8 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
             lab_rabbit.tool(pc1, "rabbitmqctl", "set_vm_memory_high_watermark", str(lab_rabbit.MEMORY_WATERMARK))
     finally:
         asyncio.run(write(".*"))
-    ferry(*args, topology=topology, check=True)
+    finished = ferry(*args, topology=topology)
+    assert finished.returncode in (0, 3), finished.stderr  # shovels that ran and restarted: possible duplicates
     _assert_done(dr)
     assert _audit(spark, dr, tmp_path, max_dup=10**6)["lost"] == 0
 

@@ -419,7 +419,7 @@ def test_a_cancel_that_comes_once_the_group_is_the_destinations_ends_moved(super
     try:
         wait_for(lambda: any(p.startswith("west-") for p in where(topology, "MOVE_LATE")[1]), 30, "a west peer")
         victim.signal(signal.SIGKILL)
-        wait_for(lambda: all(p.startswith("west-") for p in where(topology, "MOVE_LATE")[1]), 30, "west peers only")
+        wait_for(lambda: all(p.startswith("west-") for p in where(topology, "MOVE_LATE")[1]), 90, "west peers only")
         wait_for(lambda: any('"event": "cancel"' in line for line in said), 30, "the cancel called too late")
     finally:
         if not victim.alive():

@@ -18,7 +18,7 @@ from tests.helpers import ferry, make_queues, make_stream, queue_depth
 
 pytestmark = pytest.mark.lab
 
-N = 50_000
+N = 20_000
 
 
 def chromium(page: Path, png: Path) -> list[str]:
@@ -124,10 +124,10 @@ def test_load_snapshot_audit_and_named_losses(
     async def inject() -> set[int]:
         async with bnats.session(nats_topo.nats("east")) as nc:
             jsm = nc.jsm()
-            for seq in (7, 12_345, 40_000):
+            for seq in (7, 12_345, 19_000):
                 await jsm.delete_msg("PROOF", seq)
             await jsm.purge_stream("PROOF", subject="proof.3")
-        return {7, 12_345, 40_000}
+        return {7, 12_345, 19_000}
 
     deleted = asyncio.run(inject())
     ledger_rows = pq.read_table(tmp_path / "js-ledger").to_pylist()

@@ -15,7 +15,16 @@ from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import OperationFailed, redact
 from ferry.jobs.dr_failback.journal import write_journal
-from ferry.jobs.dr_failback.plan import EMPTY_WAIT, POLL, SETTLE, SHOVEL_PREFIX, FailbackRequest, queue_label
+from ferry.jobs.dr_failback.plan import (
+    EMPTY_WAIT,
+    POLL,
+    PREFETCH,
+    SETTLE,
+    SHOVEL_PREFIX,
+    STUCK_WAIT,
+    FailbackRequest,
+    queue_label,
+)
 from ferry.jobs.shared.events import Emit
 from ferry.topology import Topology
 
@@ -41,7 +50,7 @@ def spark_move(
     ready: dict[str, int],
     req: FailbackRequest,
     spark: Callable[[], Any],
-) -> dict[str, Any]:
+) -> None:
     """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
     from ferry.jobs.copy.plan import CopyOptions, CopyPlan
     from ferry.jobs.copy.run import run_copy
@@ -65,7 +74,11 @@ def spark_move(
         transfer_id=journal["id"],
     )
     report = run_copy(topo, plan, spark())
-    return {"possible_duplicates": report.possible_duplicates, "queues": report.queues}
+    duplicates = journal.setdefault("duplicates", {})
+    for row in report.queues:  # came redelivered: an earlier run may have stored them
+        if row.get("redelivered"):
+            label = queue_path(row["vhost"], row["queue"])
+            duplicates[label] = duplicates.get(label, 0) + row["redelivered"]
 
 
 def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
@@ -73,12 +86,20 @@ def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:
 
 
 def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -> dict[str, Any]:
-    """A dynamic shovel that drains one queue into its target and then deletes itself."""
+    """A dynamic shovel that drains one queue into its target and then deletes itself.
+
+    Its prefetch is PREFETCH: a quorum queue's client holds back acks beyond 32 in flight
+    (rabbit_fifo_client's soft limit) and drops them when the shovel's channel closes, so with
+    the default prefetch (1,000) a shovel that deleted itself handed back messages the target had
+    already confirmed, which the next shovel delivered again (issue 46). With at most PREFETCH
+    unacked, every ack is sent; a shovel that ends any other way (deleted, restarted, a node lost)
+    can have delivered at most PREFETCH messages whose ack did not reach the source."""
     return {
         "src-protocol": "amqp091",
         "src-uri": f"amqp:///{q(x['vhost'])}",  # the source node itself
         "src-queue": x["queue"],
         "src-delete-after": "queue-length",
+        "src-prefetch-count": PREFETCH,
         "dest-protocol": "amqp091",
         "dest-uri": amqp_uri(topo.rabbitmq(req.target), x["vhost"]),
         "dest-queue": x["target"],
@@ -96,22 +117,41 @@ async def run_shovels(
     req: FailbackRequest,
     emit: Emit,
     progress: Callable[..., None],
-) -> dict[str, Any]:
+) -> None:
     """At most `max_active` shovels; a queue is done once its shovel deleted itself and it is empty.
 
     `ready` ("vhost/queue" -> count, every journal queue) is kept current for progress. The
-    journal keeps the shovels created and the possible duplicates, across runs: a shovel an
-    earlier run created that is gone with messages left ended while ferry was down, and the
-    messages it held unacked came back to the queue after they may have reached the target."""
-    present = {p["name"] for p in await _ferry_shovels(sm, journal)}
-    active = {_shovel_name(journal, x): x for x in todo if _shovel_name(journal, x) in present}  # adopt
+    journal keeps the shovels created and, per queue, the possible duplicates, across runs: a
+    shovel that ended other than by deleting itself after its last ack (an earlier run's, gone
+    while ferry was down; one deleted by hand; one stuck and replaced) may have delivered up to
+    PREFETCH messages whose ack never reached the source: they come back and move again."""
+    duplicates: dict[str, int] = journal.setdefault("duplicates", {})
+
+    def maybe_twice(x: dict[str, Any]) -> None:
+        label = queue_label(x)
+        if ready[label]:
+            duplicates[label] = duplicates.get(label, 0) + min(ready[label], PREFETCH)
+
+    listed = {p["name"] for p in await _ferry_shovels(sm, journal)}
+    known = {(s["vhost"], s["name"]): s for s in await sm.get("/shovels")}
+    active: dict[str, dict[str, Any]] = {}
+    for x in todo:  # adopt an earlier run's shovels that still run; replace those that do not
+        name = _shovel_name(journal, x)
+        state = known.get((x["vhost"], name), {})
+        if name in listed and state.get("state") == "running":
+            active[name] = x
+            if _started(journal, name, state) != "same":  # while ferry was away (a node restarted, say)
+                maybe_twice(x)  # or not seen running before: it may have
+        elif name in listed:
+            await _replace(sm, counts, x, name, emit, f"was {state.get('state', 'not listed')}")
     pending = [x for x in todo if _shovel_name(journal, x) not in active]
     created_before = set(journal.setdefault("shovels", []))
-    journal.setdefault("possible_duplicates", 0)
-    journal["possible_duplicates"] += sum(
-        ready[queue_label(x)] for x in pending if _shovel_name(journal, x) in created_before
-    )
+    for x in pending:
+        if _shovel_name(journal, x) in created_before:
+            maybe_twice(x)
     gone_since: dict[str, float] = {}
+    ran: set[str] = set(active)  # shovels seen running (adopted ones may have)
+    interrupted: set[str] = set()  # shovels ferry deleted (rather than they themselves, after their last ack)
     created_at: dict[str, float] = {}
     # progress is a new low of a queue's ready count, or a change of its ack count (the management
     # API's, up to a statistics interval old, 5 s here): a shovel that takes messages it cannot
@@ -121,15 +161,15 @@ async def run_shovels(
     seen_acks: dict[str, int | None] = {}
     fewest: dict[str, int] = {}
     stalled: dict[str, float] = {}  # seconds a queue's shovel existed since it last made progress
-    created = rounds = 0
+    rounds = 0
     last_emit = last_acks = 0.0
     last_poll = time.monotonic()
 
     async def came_back() -> bool:
         """Whether messages came back to a drained queue once every shovel was gone: deliveries a
         shovel held unacked return when its channel closes, later on a busy quorum queue than the
-        per-queue settle saw. They may have reached the target too: counted, and shovelled again
-        (three rounds at most, then the count left says so)."""
+        per-queue settle saw, and are shovelled again (three rounds at most, then the count left
+        says so). A shovel that deleted itself had not published them; one ferry deleted may have."""
         nonlocal rounds
         if rounds >= 3:
             return False
@@ -141,7 +181,8 @@ async def run_shovels(
                 back.append(x)
         rounds += 1
         for x in back:
-            journal["possible_duplicates"] += ready[queue_label(x)]
+            if _shovel_name(journal, x) in interrupted:
+                maybe_twice(x)
             pending.append(x)
             emit("came-back", queue=queue_label(x), messages=ready[queue_label(x)])
         return bool(back)
@@ -151,12 +192,12 @@ async def run_shovels(
             x = pending.pop(0)
             name = _shovel_name(journal, x)
             journal["shovels"] = sorted({*journal["shovels"], name})
+            journal.setdefault("shovel_started", {}).pop(name, None)  # a new shovel of that name
             await write_journal(sm, journal)  # before the shovel exists
             await sm.put(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)})
             active[name] = x
             gone_since.pop(name, None)
             created_at[name] = time.monotonic()
-            created += 1
             emit("shovel", queue=queue_label(x), name=name, active=len(active))
         await asyncio.sleep(POLL)
         present = {p["name"] for p in await _ferry_shovels(sm, journal)}
@@ -188,15 +229,27 @@ async def run_shovels(
                     continue
                 del active[name]
                 if left:
-                    # it stopped before its last source acks took effect (seen with quorum queues), or
-                    # was deleted by hand: these may already be at the target, so count them
+                    # its count was short (a quorum queue's count may time out and read 0): it ended
+                    # after its last ack, and what it got beyond its count it never published. One
+                    # ferry deleted may have published up to PREFETCH of these (counted, and written
+                    # before its shovel is created again)
                     pending.append(x)
-                    journal["possible_duplicates"] += left  # written before its shovel is created again
+                    if name in interrupted:
+                        maybe_twice(x)
                 else:
                     emit("drained", queue=queue_label(x), active=len(active))
                 continue
+            state = states.get((x["vhost"], name), {})
+            if state.get("state") == "running":
+                ran.add(name)
+                started = _started(journal, name, state)
+                if started == "again":  # what it held unacked came back: it delivers them again
+                    ready[queue_label(x)] = left
+                    maybe_twice(x)
+                    emit("shovel-restarted", queue=queue_label(x), name=name)
+                if started != "same":  # on record, so a rerun can tell a restart while ferry was away
+                    await write_journal(sm, journal)
             if stalled.get(name, 0.0) > req.stall_timeout:
-                state = states.get((x["vhost"], name), {})
                 said = ": ".join(str(s) for s in (state.get("state", "not listed"), state.get("reason")) if s)
                 said = " ".join(redact(said).split())  # the reason is an Erlang term, printed over lines
                 raise OperationFailed(
@@ -208,11 +261,45 @@ async def run_shovels(
             # shovel waits for messages that will not come; deleting it requeues any it still holds
             if left == 0 and min(stalled.get(name, 0.0), now - created_at.get(name, 0.0)) > EMPTY_WAIT:
                 await sm.delete(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}")
+                interrupted.add(name)
+            elif left and min(stalled.get(name, 0.0), now - created_at.get(name, 0.0)) > STUCK_WAIT:
+                # a dynamic shovel whose destination came back can stay `starting` for ever (seen
+                # after pc1 restarted), or `running` and move nothing (after a memory alarm on pc1
+                # ended): a new one connects afresh; --stall-timeout still counts from the last move
+                why = f"{state.get('state', 'not listed')}, nothing moved for {STUCK_WAIT:g}s"
+                await _replace(sm, counts, x, name, emit, why)
+                ready[queue_label(x)] = await counts.ready(x["vhost"], x["queue"])
+                if name in ran:  # one that never ran delivered nothing
+                    maybe_twice(x)
+                journal.setdefault("shovel_started", {}).pop(name, None)
+                await write_journal(sm, journal)
+                await sm.put(
+                    f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)}
+                )
+                created_at[name] = time.monotonic()
         if now - last_emit >= 0.5:
             last_emit = now
             # only shovelled queues change (no upstream feeds them): the rest keep their last count
             progress(sum(ready.values()), active=len(active), pending=len(pending))
-    return {"shovels_created": created, "possible_duplicates": journal["possible_duplicates"]}
+
+
+def _started(journal: dict[str, Any], name: str, state: dict[str, Any]) -> str:
+    """A running shovel's start against the journal: "first" seen running, the "same" start, or
+    started "again" (the broker's state timestamp moved on; kept in the journal across runs):
+    each start returns what the last one held unacked."""
+    seen = journal.setdefault("shovel_started", {})
+    was, now = seen.get(name), state.get("timestamp")
+    seen[name] = now
+    return "first" if was is None else "same" if now == was else "again"
+
+
+async def _replace(sm: Management, counts: QueueCounts, x: dict[str, Any], name: str, emit: Emit, why: str) -> None:
+    """Delete a shovel that does not run and wait until its consumer is gone (what it held is back)."""
+    await sm.delete(f"/parameters/shovel/{q(x['vhost'])}/{q(name)}")
+    deadline = time.monotonic() + STUCK_WAIT
+    while (await counts.state(x["vhost"], x["queue"]))[1] and time.monotonic() < deadline:
+        await asyncio.sleep(POLL)
+    emit("shovel-replaced", queue=queue_label(x), name=name, reason=why)
 
 
 async def _ferry_shovels(sm: Management, journal: dict[str, Any]) -> list[dict[str, Any]]:

@@ -29,6 +29,8 @@ SHOVEL_PREFIX = "ferry-failback-"
 POLL = 0.2
 EMPTY_WAIT = 10.0  # seconds a shovel may sit on an empty queue with nothing acked before it is deleted
 SETTLE = 2.0  # seconds a queue whose shovel is gone must stay empty to be drained (its unacked may come back)
+PREFETCH = 16  # a shovel's unacked deliveries at most: below the quorum queue client's 32 held-back acks
+STUCK_WAIT = 15.0  # seconds a shovel may move nothing (its queue not empty) before it is replaced
 
 
 @dataclass

@@ -97,12 +97,10 @@ async def failback(
                 await write_journal(sm, journal)
             if journal["phase"] == "transferring":
                 await _links_down(sm, journal, req.link_timeout)
-                engine_report = await _transfer(topo, sm, src_c, journal, req, emit, spark)
+                await _transfer(topo, sm, src_c, journal, req, emit, spark)
                 journal["phase"] = FAILBACK.step(journal["phase"], "restoring")
                 await write_journal(sm, journal)
-            else:
-                engine_report = {}
-            return await _finish(sm, src_c, dst_c, journal, req, emit, engine=engine_report)
+            return await _finish(sm, src_c, dst_c, journal, req, emit)
 
 
 async def status(topo: Topology, req: FailbackRequest) -> dict[str, Any]:
@@ -155,7 +153,7 @@ async def _transfer(
     req: FailbackRequest,
     emit: Emit,
     spark: Callable[[], Any] | None,
-) -> dict[str, Any]:
+) -> None:
     counts = QueueCounts(src_c, req.source)
     try:
         ready = await _left(counts, journal["queues"])
@@ -163,16 +161,16 @@ async def _transfer(
         emit("transfer", engine=req.engine, queues=len(todo), of=len(journal["queues"]))
         progress = _progress(emit, sum(ready.values()))
         if req.engine == "shovel":
-            result = await run_shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
+            await run_shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
         else:
             await delete_shovels(sm, journal)  # left by an interrupted shovel run
             watch = asyncio.create_task(_watch(src_c, req.source, journal, progress))
             try:
-                result = await asyncio.to_thread(spark_move, topo, journal, todo, ready, req, spark) if todo else {}
+                if todo:
+                    await asyncio.to_thread(spark_move, topo, journal, todo, ready, req, spark)
             finally:
                 watch.cancel()
         progress(sum((await _left(counts, journal["queues"])).values()))
-        return result
     finally:
         await counts.close()
 
@@ -217,11 +215,11 @@ async def _finish(
     journal: dict[str, Any],
     req: FailbackRequest,
     emit: Emit,
-    engine: dict[str, Any] | None = None,
     aborted: bool = False,
 ) -> dict[str, Any]:
     """Delete ferry's shovels, restore the upstreams and compare, report, delete the journal."""
     shovels_deleted = await delete_shovels(sm, journal)
+    duplicates = journal.get("duplicates", {})
     src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
     try:
         rows = []
@@ -234,10 +232,13 @@ async def _finish(
                     "target": x["target"],
                     "type": x["type"],
                     "before": x["before"],
-                    "moved": x["before"] - left,
+                    # what arrived since the plan (a link that pulled, a producer) was not moved
+                    "moved": max(0, x["before"] - left),
                     "left": left,
+                    "arrived": max(0, left - x["before"]),
                     "target_before": x["target_before"],
                     "target_after": await dst_counts.ready(x["vhost"], x["target"]),
+                    "possible_duplicates": duplicates.get(queue_label(x), 0),
                 }
             )
     finally:
@@ -265,21 +266,25 @@ async def _finish(
         {**u, "before": before.get((u["vhost"], u["upstream"], u["queue"])), "after": u.pop("messages")}
         for u in upstream_after
     ]
+    twice = [r for r in rows if r["possible_duplicates"]]
+    outcome = "aborted" if aborted else "complete"
+    if twice:
+        outcome += f", with up to {sum(r['possible_duplicates'] for r in twice):,} duplicates on {len(twice)} queues"
     report = {
-        "outcome": "aborted" if aborted else "complete",
+        "outcome": outcome,
         "id": journal["id"],
         "source": journal["source"],
         "target": journal["target"],
         "engine": req.engine,
         "started": journal["started"],
         "queues": rows,
-        "total": {k: sum(r[k] for r in rows) for k in ("before", "moved", "left")},
+        "total": {k: sum(r[k] for r in rows) for k in ("before", "moved", "left", "arrived", "possible_duplicates")},
         "upstreams_restored": restored,
         "upstream_queues": upstream_queues,
         "upstream_pulled": sum(
             (u["before"] or 0) - (u["after"] or 0) for u in upstream_queues if u["before"] is not None
         ),
         "shovels_deleted": shovels_deleted,
-        "possible_duplicates": (engine or {}).get("possible_duplicates", 0),
+        "possible_duplicates": sum(r["possible_duplicates"] for r in rows),
     }
     return report
