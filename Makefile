@@ -28,10 +28,8 @@ system-packages:
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo.sh
 
-# two workers, one test file each at a time (each starts the lab profiles its files use): the
-# suite waits on brokers more than it computes, so two overlap well on two cores
 test: setup
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q
 
 # what needs no server and no Spark (marks `lab` and `spark` are enforced at collection): under a minute
 test-fast: $(STAMP)

@@ -8,15 +8,17 @@ from the same freshly loaded queues:
 - **gist**: ../shared/seeds/003 reproduced faithfully — every 10 s, list the
   federated queues with messages from the management API; if there are any,
   clone each upstream as `<name>-to-restore` and delete it, delete the shovels
-  of drained queues, and create shovels (`transfer-<queue>`, the same shovel
-  definition ferry uses) until 5 are active; when none is left, delete the
-  shovels and restore the upstreams;
+  of drained queues, and create shovels (`transfer-<queue>`, ferry's shovel
+  definition with RabbitMQ's default prefetch, as the gist leaves it) until 5
+  are active; when none is left, delete the shovels and restore the upstreams;
 - **ferry shovel** and **ferry spark**: `ferry failback --from ltm --to pc1`
   (the CLI in its own process, start-up and Spark session included).
 
 Time is until every message is on pc1 and the upstreams are restored. Each run
 is checked: ltm's federated queues empty, pc1 holding every message, the
-upstream restored. Target: ferry <= 0.5x the gist's time.
+upstream restored; then pc1's queues are drained and their messages counted by
+message id: `dups` is what arrived more than once. Targets: ferry <= 0.5x the
+gist's time; 0 duplicates for both engines in every run.
 
     .venv/bin/python -m bench.failback            # both shapes, 1 run each
     .venv/bin/python -m bench.failback --runs 3
@@ -29,13 +31,14 @@ import asyncio
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from bench._util import run_ferry, save_rows
 from ferry import lab
-from ferry.brokers.rabbitmq import Management, q
+from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.jobs.dr_failback.engines import shovel_definition
 from ferry.jobs.dr_failback.plan import FailbackRequest
@@ -114,6 +117,7 @@ async def gist(topo: Topology, max_active: int = 5, poll: float = 10.0) -> float
                 name = f"transfer-{x['name']}"
                 if name not in shovels:
                     value = shovel_definition(topo, req, {"vhost": VHOST, "queue": x["name"], "target": x["name"]})
+                    del value["src-prefetch-count"]  # the gist's: RabbitMQ's default (1,000)
                     await m.put(f"/parameters/shovel/{VHOST}/{q(name)}", {"value": value})
                     shovels.add(name)
             await asyncio.sleep(poll)
@@ -133,6 +137,22 @@ async def check(topo: Topology, queues: list[str], per_queue: int) -> None:
     async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
         if await m.get(f"/parameters/federation-upstream/{VHOST}/art", ok404=True) is None:
             raise SystemExit("check failed: upstream art not restored")
+
+
+async def duplicates(topo: Topology, queues: list[str]) -> int:
+    """Drain pc1's queues; the messages beyond one per message id."""
+    conn = await amqp_connect(topo.rabbitmq("pc1"), vhost=VHOST)
+    seen: Counter[str] = Counter()
+    try:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=1000)
+        for name in queues:
+            queue = await ch.declare_queue(name, passive=True)
+            while (m := await queue.get(no_ack=True, fail=False, timeout=10)) is not None:
+                seen[m.message_id or ""] += 1
+    finally:
+        await conn.close()
+    return sum(n - 1 for n in seen.values())
 
 
 def bench(root: Path, runs: int) -> list[dict[str, Any]]:
@@ -155,6 +175,7 @@ def bench(root: Path, runs: int) -> list[dict[str, Any]]:
                     got = run_ferry(["failback", "--from", "ltm", "--to", "pc1", "--engine", engine], topology)
                     seconds, report = got["wall"], got["report"]
                 asyncio.run(check(topo, queues, per_queue))
+                dups = asyncio.run(duplicates(topo, queues))
                 rows.append(
                     {
                         "case": case,
@@ -163,9 +184,10 @@ def bench(root: Path, runs: int) -> list[dict[str, Any]]:
                         "seconds": seconds,
                         "moved": report["total"]["moved"] if report else None,
                         "possible_duplicates": report["possible_duplicates"] if report else None,
+                        "duplicates": dups,
                     }
                 )
-                print(f"{case:12} {who:30} {seconds:7.1f}s", flush=True)
+                print(f"{case:12} {who:30} {seconds:7.1f}s {dups:6} duplicates", flush=True)
     return rows
 
 
@@ -180,15 +202,16 @@ def main() -> None:
         rows = bench(root, args.runs)
     finally:
         lab.down(root=root, log=lambda _: None)
-    print(f"\n{'case':12} {'who':30} {'median s':>9} {'ratio':>6} {'moved (exact)':>14}")
+    print(f"\n{'case':12} {'who':30} {'median s':>9} {'ratio':>6} {'moved (exact)':>14} {'dups per run':>14}")
     for case in dict.fromkeys(r["case"] for r in rows):
         mine = [r for r in rows if r["case"] == case]
         anchor = median(r["seconds"] for r in mine if r["who"].startswith("gist"))
         for who in dict.fromkeys(r["who"] for r in mine):
             runs = [r for r in mine if r["who"] == who]
             secs = median(r["seconds"] for r in runs)
-            moved = runs[-1]["moved"]
-            print(f"{case:12} {who:30} {secs:9.1f} {secs / anchor:5.2f}x {moved if moved is not None else '-':>14}")
+            moved = "-" if runs[-1]["moved"] is None else runs[-1]["moved"]
+            dups = ",".join(str(r["duplicates"]) for r in runs)
+            print(f"{case:12} {who:30} {secs:9.1f} {secs / anchor:5.2f}x {moved:>14} {dups:>14}")
     save_rows("failback", rows)
 
 
