@@ -77,11 +77,11 @@ async def connect(
     creds = cluster.system_credentials if system else cluster.credentials
     if system and creds is None:
         raise ConfigError(f"cluster {name!r} has no system_credentials in the topology")
-    last_error: list[BaseException] = []
-    denied: deque[str] = deque(maxlen=100)
+    errors: deque[BaseException] = deque(maxlen=20)  # all, not the last: a refused server closes at once,
+    denied: deque[str] = deque(maxlen=100)  # so the next attempt's connection reset may follow its -ERR
 
     async def on_error(exc: Exception) -> None:
-        last_error[:] = [exc]
+        errors.append(exc)
         if "permissions violation" in str(exc).lower():  # nats-py lowercases what the server said
             denied.append(str(exc))
             DENIALS.append(str(exc).removeprefix("nats: "))
@@ -102,9 +102,9 @@ async def connect(
         _DENIED[nc] = denied
         return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
-        cause = last_error[0] if last_error else exc
+        cause = errors[-1] if errors else exc
         who = f"cluster {name!r}" if name else "NATS"
-        if _is_auth(cause) or _is_auth(exc):
+        if _is_auth(exc) or any(_is_auth(e) for e in errors):
             raise AuthError(f"{who}: authorization violation for user {creds.user if creds else '(none)'!r}") from None
         detail = f"{type(cause).__name__}: {cause}".rstrip(": ") if str(cause) else type(cause).__name__
         raise BrokerUnavailable(
