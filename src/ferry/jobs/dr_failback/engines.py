@@ -271,12 +271,8 @@ async def run_shovels(
                 ready[queue_label(x)] = await counts.ready(x["vhost"], x["queue"])
                 if name in ran:  # one that never ran delivered nothing
                     maybe_twice(x)
-                journal.setdefault("shovel_started", {}).pop(name, None)
-                await write_journal(sm, journal)
-                await sm.put(
-                    f"/parameters/shovel/{q(x['vhost'])}/{q(name)}", {"value": shovel_definition(topo, req, x)}
-                )
-                created_at[name] = time.monotonic()
+                del active[name]
+                pending.insert(0, x)  # created again first, the count above on record before it
         if now - last_emit >= 0.5:
             last_emit = now
             # only shovelled queues change (no upstream feeds them): the rest keep their last count
