@@ -688,14 +688,24 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
 
 
 async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget(supercluster: lab.LabState) -> None:
-    """Twenty more R3 streams led by east-1, and something that hands every stream of east back to
-    the server that led it as soon as another leads it: a rebalance chasing those counts would
-    never end. It stops after twice the leader moves its proposal plans plus one per node, says
-    so, and returns the donors to service."""
+    """Twenty more R3 streams led by east-1 than by any other server of east, and something that
+    hands every stream of east back to the server that led it as soon as another leads it: a
+    rebalance chasing those counts would never end. It stops after twice the leader moves its
+    proposal plans plus one per node, says so, and returns the donors to service."""
     topology, topo = supercluster.path / "topology.yaml", profile_topology(supercluster)
-    # so many that the rebalance plans more moves than the churn lags behind by (with 8, a loaded CI run's
-    # churn fell 5 moves behind and the rebalance found the counts balanced)
-    names = [f"RB_BUDGET_{i}" for i in range(20)]
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "100000", "--abs-sess-threshold", "1"]
+    args += ["--sess-evict-rate", "1", "--wait-health-check", "0", "--wait-takeover", "0", "--execute", "--json"]
+    proposed = [a for a in args if a != "--execute"]  # the servers' monitoring (what it counts) may lag
+
+    def plan() -> dict[str, tuple[int, int]]:  # leaders per node: (now, after the proposal)
+        rows = json.loads(ferry(*proposed, topology=topology, check=True).stdout)["proposal"]
+        return {p["node"]: (p["sessions"], p["sessions_after"]) for p in rows}
+
+    # 20 more than the most any server leads (the tests before may have left assets led elsewhere: a
+    # CI run found east-1 no donor with 20), so many that the rebalance plans more moves than the churn
+    # lags behind by (with 8, a loaded CI run's churn fell 5 moves behind and found the counts balanced)
+    now = {n: c for n, (c, _) in (await asyncio.to_thread(plan)).items()}
+    names = [f"RB_BUDGET_{i}" for i in range(20 + max(now.values()) - now["east-1"])]
     for name in names:
         await make_stream(topo, "east", name, [name.lower() + ".>"], placement="east")
     home = dict.fromkeys(names, "east-1")  # and every other stream of east where it is led (other tests' are)
@@ -720,8 +730,6 @@ async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget
                 await asyncio.gather(*(back(n) for n, at in now.items() if n in home and at not in (home[n], "")))
             await asyncio.sleep(0.1)
 
-    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "100000", "--abs-sess-threshold", "1"]
-    args += ["--sess-evict-rate", "1", "--wait-health-check", "0", "--wait-takeover", "0", "--execute", "--json"]
     async with bnats.session(topo.nats("east")) as nc:
         home |= {n: at for n, at in (await leaders()).items() if n not in home and at}
         await nc.subscribe("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.*", cb=on_elected)
@@ -730,15 +738,9 @@ async def test_a_rebalance_whose_leader_counts_keep_changing_stops_at_its_budget
             async with asyncio.timeout(60):
                 while not all(at == "east-1" for n, at in (await leaders()).items() if n in names):
                     await asyncio.sleep(0.2)
-            proposed = [a for a in args if a != "--execute"]  # the servers' monitoring (what it counts) may lag
-
-            def east_1_gives() -> bool:
-                plan = json.loads(ferry(*proposed, topology=topology, check=True).stdout)
-                return any(p["node"] == "east-1" and p["sessions_after"] < p["sessions"] for p in plan["proposal"])
-
             async with asyncio.timeout(60):
-                while not await asyncio.to_thread(east_1_gives):
-                    await asyncio.sleep(0.5)
+                while (last := await asyncio.to_thread(plan))["east-1"][1] >= last["east-1"][0]:
+                    await asyncio.sleep(0.5)  # until east-1 gives
             r = await asyncio.to_thread(ferry, *args, topology=topology, timeout=120)
         finally:
             churn.cancel()
