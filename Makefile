@@ -14,7 +14,7 @@ setup: $(STAMP) system-packages
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lab]'
 	touch $(STAMP)
 
 system-packages:

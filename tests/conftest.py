@@ -36,8 +36,8 @@ def lab_dir() -> Iterator[Path]:
     assert not leftovers, f"profiles left running by a test: {leftovers}"
 
 
-def _profile(name: str, lab_dir: Path, haproxy: bool = False) -> Iterator[lab.LabState]:
-    state = lab.up(name, lab_dir, log=lambda _: None, haproxy=haproxy)
+def _profile(name: str, lab_dir: Path, haproxy: bool = False, secure: bool = False) -> Iterator[lab.LabState]:
+    state = lab.up(name, lab_dir, log=lambda _: None, haproxy=haproxy, secure=secure)
     yield state
     pgids = [p.pid for p in state.procs]
     lab.down(name, lab_dir, log=lambda _: None)
@@ -65,7 +65,16 @@ def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
     yield from _profile("rabbit-cluster", lab_dir, haproxy=True)
 
 
-LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster"}
+@pytest.fixture(scope="session")
+def secure_supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
+    """The supercluster in operator mode with TLS everywhere (a lab root of its own: it runs beside
+    the plain one)."""
+    root = lab_dir / "secure"
+    root.mkdir(mode=0o755)
+    yield from _profile("supercluster", root, secure=True)
+
+
+LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

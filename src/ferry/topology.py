@@ -28,8 +28,10 @@ every error names the file, the line and the key.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -48,6 +50,7 @@ __all__ = [
     "RabbitBroker",
     "RabbitCluster",
     "Site",
+    "Tls",
     "Topology",
     "default_topology_path",
     "lab_root",
@@ -79,35 +82,124 @@ def _url(value: str, schemes: tuple[str, ...]) -> str:
 
 
 class Credentials(_Model):
-    """A user and where its password lives (never the password itself)."""
+    """Who ferry is on a cluster and where its secret lives (never the secret itself), one of:
 
-    user: str
+    - ``user`` with ``password_env`` or ``password_file`` (NATS and RabbitMQ);
+    - ``creds_file``: a NATS user's JWT and nkey seed, as ``nsc`` writes them (operator mode);
+    - ``nkey_seed_file``: a NATS nkey user's seed;
+    - ``token_env`` or ``token_file``: a NATS token.
+    """
+
+    user: str | None = None
     password_env: str | None = None
     password_file: Path | None = None
+    creds_file: Path | None = None
+    nkey_seed_file: Path | None = None
+    token_env: str | None = None
+    token_file: Path | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> Credentials:
         if self.password_env and self.password_file:
             raise ValueError("give password_env or password_file, not both")
+        if self.token_env and self.token_file:
+            raise ValueError("give token_env or token_file, not both")
+        if (self.password_env or self.password_file) and not self.user:
+            raise ValueError("a password needs its user")
+        kinds = [k for k in ("user", "creds_file", "nkey_seed_file") if getattr(self, k)]
+        kinds += ["token_env or token_file"] if self.token_env or self.token_file else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "give exactly one of user (with password_env or password_file), creds_file, nkey_seed_file, "
+                f"token_env or token_file (got {' and '.join(kinds) if kinds else 'none'})"
+            )
         return self
 
+    @property
+    def identity(self) -> str:
+        """How this credential names itself in messages: no secret, only where it lives."""
+        if self.user:
+            return f"user {self.user!r}"
+        if self.creds_file:
+            return f"creds file {self.creds_file}"
+        if self.nkey_seed_file:
+            return f"nkey seed file {self.nkey_seed_file}"
+        return f"token in {self.token_file or '$' + str(self.token_env)}"
+
     def missing(self) -> str | None:
-        """Why the password cannot be read, or None."""
-        if self.password_env and self.password_env not in os.environ:
-            return f"environment variable {self.password_env} is not set"
-        if self.password_file and not self.password_file.is_file():
-            return f"password file {self.password_file} does not exist"
+        """Why the secret cannot be read, or None."""
+        for env in (self.password_env, self.token_env):
+            if env and env not in os.environ:
+                return f"environment variable {env} is not set"
+        for key in ("password_file", "creds_file", "nkey_seed_file", "token_file"):
+            path = getattr(self, key)
+            if path and not os.access(path, os.R_OK):
+                what = key.replace("_file", "").replace("_", " ")
+                return f"{what} file {path} {'is not readable' if path.exists() else 'does not exist'}"
+        return None
+
+    def _read(self, env: str | None, file: Path | None) -> str | None:
+        problem = self.missing()
+        if problem:
+            raise ConfigError(f"credentials: {problem}")
+        if env:
+            return os.environ[env]
+        if file:
+            return file.read_text().strip()
         return None
 
     def password(self) -> str | None:
-        problem = self.missing()
-        if problem:
-            raise ConfigError(f"credentials for user {self.user!r}: {problem}")
-        if self.password_env:
-            return os.environ[self.password_env]
-        if self.password_file:
-            return self.password_file.read_text().strip()
+        return self._read(self.password_env, self.password_file)
+
+    def token(self) -> str | None:
+        return self._read(self.token_env, self.token_file)
+
+
+class Tls(_Model):
+    """TLS to a cluster's brokers (every field optional): ``ca_file`` verifies the servers against a
+    private CA (else the system's CAs), ``cert_file`` + ``key_file`` present a client certificate
+    (mutual TLS), ``server_name`` is the name the servers' certificates carry when it is not the
+    host dialled. Verification is never off."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> Tls:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        return self
+
+    def missing(self) -> str | None:
+        for key in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, key)
+            if path and not os.access(path, os.R_OK):
+                return f"tls.{key} {path} {'is not readable' if path.exists() else 'does not exist'}"
         return None
+
+    def context(self) -> ssl.SSLContext:
+        """A client context that verifies the server (and presents the client certificate)."""
+        return _tls_context(self)
+
+
+@functools.cache
+def _tls_context(tls: Tls) -> ssl.SSLContext:
+    if problem := tls.missing():
+        raise ConfigError(problem)
+    try:
+        ctx = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"tls.ca_file {tls.ca_file}: not a PEM certificate ({exc.reason})") from None
+    if tls.cert_file:
+        try:
+            ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"tls.cert_file {tls.cert_file} / key_file {tls.key_file}: not a matching PEM pair ({exc.reason})"
+            ) from None
+    return ctx
 
 
 class NatsBroker(_Model):
@@ -148,6 +240,7 @@ class NatsCluster(_Model):
     brokers: list[NatsBroker]
     credentials: Credentials | None = None
     system_credentials: Credentials | None = None
+    tls: Tls | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
 
@@ -189,6 +282,13 @@ class RabbitCluster(_Model):
     erlang: ErlangAccess | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
+
+    @field_validator("credentials")
+    @classmethod
+    def _user_password(cls, v: Credentials | None) -> Credentials | None:
+        if v and not v.user:
+            raise ValueError("RabbitMQ credentials are a user with password_env or password_file")
+        return v
 
 
 Cluster = Annotated[NatsCluster | RabbitCluster, Field(discriminator="kind")]
@@ -280,16 +380,16 @@ class Topology(_Model):
         raise NotFound(f"unknown cluster {cluster_name!r}", cluster=cluster_name)
 
     def credential_problems(self) -> list[str]:
-        """One line per credential that cannot be read now (missing env var or file)."""
+        """One line per credential or TLS file that cannot be read now (missing env var or file)."""
         problems = []
         for site_name, cname, cluster in self.clusters():
-            creds = [("credentials", cluster.credentials)]
+            creds: list[tuple[str, Credentials | Tls | None]] = [("credentials", cluster.credentials)]
             if isinstance(cluster, NatsCluster):
-                creds.append(("system_credentials", cluster.system_credentials))
+                creds += [("system_credentials", cluster.system_credentials), ("tls", cluster.tls)]
             for key, cred in creds:
                 problem = cred.missing() if cred else None
                 if problem:
-                    problems.append(f"sites.{site_name}.clusters.{cname}.{key}: {problem}")
+                    problems.append(f"sites.{site_name}.clusters.{cname}.{key}: {problem.removeprefix('tls.')}")
         return problems
 
 

@@ -74,6 +74,27 @@ def _error(text: str) -> str:
             "",
             "t.yaml:19: sites.dr.clusters.ltm.brokers[0].management_url: required key is missing",
         ),
+        # NATS credentials are one of a user, a .creds file, an nkey seed or a token
+        (
+            "{user: app, password_env: FERRY_T_APP}",
+            "{user: app, creds_file: /x.creds}",
+            "t.yaml:7: sites.lab.clusters.east.credentials: give exactly one of user (with password_env or "
+            "password_file), creds_file, nkey_seed_file, token_env or token_file (got user and creds_file)",
+        ),
+        ("{user: app, password_env: FERRY_T_APP}", "{password_env: FERRY_T_APP}", "a password needs its user"),
+        (
+            "{user: app, password_env: FERRY_T_APP}",
+            "{token_env: T, token_file: /t}",
+            "token_env or token_file, not both",
+        ),
+        ("{user: app, password_env: FERRY_T_APP}", "{token: hunter2}", "token: unknown key"),
+        ("{user: ferry, password_env: FERRY_T_LTM}", "{creds_file: /x.creds}", "RabbitMQ credentials are a user"),
+        (
+            "    kind: nats\n",
+            "    kind: nats\n        tls: {cert_file: /c.pem}\n",
+            "t.yaml:7: sites.lab.clusters.east.tls: a client certificate needs both cert_file and key_file",
+        ),
+        ("    kind: nats\n", "    kind: nats\n        tls: {insecure: true}\n", "tls.insecure: unknown key"),
     ],
 )
 def test_bad_files_name_line_and_key(old: str, new: str, expected: str) -> None:
@@ -187,3 +208,23 @@ def test_a_copy_into_itself_is_refused_before_anything_is_asked(src: str, dst: s
     if refused:  # no broker is asked: the topology's are not reachable from here
         with pytest.raises(UsageError, match="copying it into itself would store it twice"):
             plan_copy(parse_topology(VALID, "t.yaml"), src, dst, CopyOptions())
+
+
+def test_unreadable_nats_secrets_and_tls_files_are_named(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_LTM", "y")
+    seed = tmp_path / "user.nk"
+    seed.write_text("SU...")
+    text = VALID.replace("{user: app, password_env: FERRY_T_APP}", f"{{nkey_seed_file: {seed}}}")
+    text = text.replace("{user: sys, password_env: FERRY_T_SYS}", f"{{creds_file: {tmp_path / 'sys.creds'}}}")
+    text = text.replace("    kind: nats\n", f"    kind: nats\n        tls: {{ca_file: {tmp_path / 'ca.pem'}}}\n")
+    topo = parse_topology(text)
+    assert topo.credential_problems() == [
+        f"sites.lab.clusters.east.system_credentials: creds file {tmp_path / 'sys.creds'} does not exist",
+        f"sites.lab.clusters.east.tls: ca_file {tmp_path / 'ca.pem'} does not exist",
+    ]
+    assert topo.nats("east").credentials.identity == f"nkey seed file {seed}"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"^tls.ca_file .*ca.pem does not exist$"):
+        topo.nats("east").tls.context()  # type: ignore[union-attr]
+    (tmp_path / "ca.pem").write_text("not a certificate")
+    with pytest.raises(ConfigError, match=r"^tls.ca_file .*ca.pem: not a PEM certificate"):
+        parse_topology(text).nats("east").tls.context()  # type: ignore[union-attr]

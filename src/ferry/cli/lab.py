@@ -26,12 +26,22 @@ def lab_up(
         bool,
         typer.Option("--haproxy", help="Put HAProxy (checked through `ferry serve`) in front of the lab's clusters."),
     ] = False,
+    secure: Annotated[
+        bool,
+        typer.Option(
+            "--secure",
+            help="NATS in operator mode (accounts APP, SALES, SYS; .creds files) with TLS on every port and "
+            "client certificates required (supercluster, sites).",
+        ),
+    ] = False,
 ) -> None:
     """Start a profile's servers on 127.0.0.1 and wait until they are healthy."""
     from ferry import lab
 
     t0 = time.perf_counter()
-    state = lab.up(profile, lab_dir_arg(dir), timeout=timeout, log=lambda m: err.print(m), haproxy=haproxy)
+    state = lab.up(
+        profile, lab_dir_arg(dir), timeout=timeout, log=lambda m: err.print(m), haproxy=haproxy, secure=secure
+    )
     out.print(f"lab {profile}: {len(state.procs)} processes healthy in {time.perf_counter() - t0:.1f}s")
     out.print(f"topology: {(lab_dir_arg(dir) or lab.lab_root()) / 'topology.yaml'}")
     if state.lb:

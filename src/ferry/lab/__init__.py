@@ -37,6 +37,7 @@ from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.lab import haproxy as lab_haproxy
 from ferry.lab import nats as lab_nats
 from ferry.lab import rabbitmq as lab_rabbit
+from ferry.lab import secure as lab_secure
 from ferry.lab.procs import Proc, free_ports, port_open, stop_all
 from ferry.topology import lab_root
 
@@ -57,6 +58,7 @@ class LabState(BaseModel):
     rabbit: list[dict] = []
     procs: list[Proc] = []
     lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats or amqp, mqtt} URLs
+    secure: bool = False  # NATS in operator mode with TLS on every port (lab.secure)
 
     @property
     def path(self) -> Path:
@@ -106,14 +108,24 @@ def up(
     timeout: float = 180.0,
     log: Callable[[str], None] = print,
     haproxy: bool = False,
+    secure: bool = False,
 ) -> LabState:
-    """Start a profile (or restart its dead servers) and wait until it is healthy."""
+    """Start a profile (or restart its dead servers) and wait until it is healthy. `secure`: NATS
+    in operator mode (accounts APP, SALES and SYS, users with .creds files) with TLS on every port
+    and client certificates required, as production deployments run it."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
+    if secure and (haproxy or profile not in ("supercluster", "sites")):
+        raise ConfigError("--secure is for the NATS profiles (supercluster, sites) without --haproxy, for now")
     root = root or lab_root()
     state = load_state(profile, root)
     if state and haproxy and not state.lb:
         raise ConfigError(f"lab {profile} is up without HAProxy", hint=f"`ferry lab down {profile}` first")
+    if state and state.secure != secure:
+        raise ConfigError(
+            f"lab {profile} is up {'with' if state.secure else 'without'} --secure",
+            hint=f"`ferry lab down {profile}` first",
+        )
     if state:
         dead = [p for p in state.procs if not p.alive()]
         if not dead:
@@ -135,7 +147,7 @@ def up(
     for name in ("app", "sys", "rabbitmq", "api"):
         (sdir / name).write_text(secrets.token_urlsafe(18))
         (sdir / name).chmod(0o600)
-    state = LabState(profile=profile, dir=str(pdir))
+    state = LabState(profile=profile, dir=str(pdir), secure=secure)
     topo_sites = _build(profile, state, pdir, lambda n: (sdir / n).read_text())
     (pdir / "topology.yaml").write_text(yaml.safe_dump({"version": 1, "sites": topo_sites}, sort_keys=False))
     if haproxy:
@@ -161,18 +173,20 @@ def up(
 def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], str]) -> dict[str, object]:
     sites: dict[str, object] = {}
     sdir = pdir / "secrets"
+    sec = lab_secure.make(pdir) if state.secure else None
+    tls_dir = str(sec.tls_dir) if sec else ""
     if profile == "supercluster":
-        servers = lab_nats.plan_servers({"east": 3, "west": 3})
+        servers = lab_nats.plan_servers({"east": 3, "west": 3}, tls_dir)
         state.nats.append([asdict(s) for s in servers])
-        state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
-        sites["sc"] = {"clusters": {c: lab_nats.topology_cluster(servers, c, sdir) for c in ("east", "west")}}
+        state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"), sec)
+        sites["sc"] = {"clusters": {c: lab_nats.topology_cluster(servers, c, sdir, sec) for c in ("east", "west")}}
     elif profile == "sites":
-        planned = lab_nats.plan_servers({"nyc": 1, "sfo": 1})  # in one plan: no port handed out twice
+        planned = lab_nats.plan_servers({"nyc": 1, "sfo": 1}, tls_dir)  # in one plan: no port handed out twice
         for site in ("nyc", "sfo"):
             servers = [s for s in planned if s.cluster == site]  # each site a cluster of its own
             state.nats.append([asdict(s) for s in servers])
-            state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"))
-            sites[site] = {"clusters": {site: lab_nats.topology_cluster(servers, site, sdir)}}
+            state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"), sec)
+            sites[site] = {"clusters": {site: lab_nats.topology_cluster(servers, site, sdir, sec)}}
     else:
         user = lab_rabbit.run_user()
         if user and (blocked := lab_rabbit.reachable_by(user, pdir)):
@@ -276,7 +290,7 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
         health = state.health()
         bad = {k: v for k, v in health.items() if v != "ok"}
         if not bad:
-            if state.nats:
+            if state.nats and not state.secure:
                 app_pw = (state.path / "secrets" / "app").read_text().strip()
                 for deployment in state.nats:
                     lab_nats.warm_mqtt([lab_nats.NatsServer(**s) for s in deployment], app_pw)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from ferry.lab.procs import Proc, free_ports
+from ferry.lab.secure import SYS_ACCOUNT, Secure
 
 APP_USER = "app"
 SYS_USER = "sys"
@@ -56,13 +58,23 @@ class NatsServer:
     gateway: int
     mqtt: int
     tags: list[str] = field(default_factory=list)
+    tls_dir: str = ""  # a secure lab's: every port speaks TLS (monitoring HTTPS), clients show certificates
 
     @property
     def monitor_url(self) -> str:
-        return f"http://127.0.0.1:{self.monitor}"
+        return f"{'https' if self.tls_dir else 'http'}://127.0.0.1:{self.monitor}"
+
+    def client_tls(self) -> ssl.SSLContext | bool:
+        """How a client of this server verifies it (and shows its own certificate)."""
+        if not self.tls_dir:
+            return True
+        d = Path(self.tls_dir)
+        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        ctx.load_cert_chain(str(d / "client-cert.pem"), str(d / "client-key.pem"))
+        return ctx
 
 
-def plan_servers(clusters: dict[str, int]) -> list[NatsServer]:
+def plan_servers(clusters: dict[str, int], tls_dir: str = "") -> list[NatsServer]:
     servers: list[NatsServer] = []
     planned: set[int] = set()  # no server is listening yet: a port must not be handed out twice
     for cname, n in clusters.items():
@@ -80,12 +92,15 @@ def plan_servers(clusters: dict[str, int]) -> list[NatsServer]:
                     gateway=gateway,
                     mqtt=mqtt,
                     tags=[f"cluster:{cname}", f"az:{i}"],
+                    tls_dir=tls_dir,
                 )
             )
     return servers
 
 
-def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path, app_pw: str, sys_pw: str) -> str:
+def render_config(
+    server: NatsServer, servers: list[NatsServer], store_dir: Path, app_pw: str, sys_pw: str, secure: Secure | None
+) -> str:
     peers = [s for s in servers if s.cluster == server.cluster]
     clusters = list(dict.fromkeys(s.cluster for s in servers))
     conf: dict[str, object] = {
@@ -127,18 +142,34 @@ def render_config(server: NatsServer, servers: list[NatsServer], store_dir: Path
                 for c in clusters
             ],
         }
+    if secure:  # operator mode, TLS everywhere; no MQTT yet
+        tls = secure.server_tls()
+        del conf["accounts"], conf["mqtt"], conf["http"]
+        conf |= {
+            "https": f"127.0.0.1:{server.monitor}",
+            "tls": tls,
+            "operator": str(secure.operator_jwt),
+            "system_account": secure.system_account,
+            "resolver": "MEMORY",
+            "resolver_preload": secure.accounts,
+        }
+        for block in ("cluster", "gateway"):
+            if block in conf:
+                conf[block]["tls"] = tls  # type: ignore[index]
     # nats-server's config format accepts JSON.
     return json.dumps(conf, indent=2)
 
 
-def make_procs(servers: list[NatsServer], root: Path, app_pw: str, sys_pw: str) -> list[Proc]:
+def make_procs(
+    servers: list[NatsServer], root: Path, app_pw: str, sys_pw: str, secure: Secure | None = None
+) -> list[Proc]:
     binary = nats_server_binary()
     procs = []
     for s in servers:
         d = root / s.name
         d.mkdir(parents=True, exist_ok=True)
         conf = d / "nats.conf"
-        conf.write_text(render_config(s, servers, d / "jetstream", app_pw, sys_pw))
+        conf.write_text(render_config(s, servers, d / "jetstream", app_pw, sys_pw, secure))
         conf.chmod(0o600)
         procs.append(
             Proc(
@@ -153,7 +184,21 @@ def make_procs(servers: list[NatsServer], root: Path, app_pw: str, sys_pw: str) 
     return procs
 
 
-def topology_cluster(servers: list[NatsServer], cluster: str, secrets: Path) -> dict[str, object]:
+def topology_cluster(
+    servers: list[NatsServer], cluster: str, secrets: Path, secure: Secure | None = None
+) -> dict[str, object]:
+    if secure:  # as a production topology looks: .creds files, a private CA, a client certificate
+        return {
+            "kind": "nats",
+            "tls": secure.client_tls(),
+            "credentials": {"creds_file": str(secure.creds["APP"])},
+            "system_credentials": {"creds_file": str(secure.creds[SYS_ACCOUNT])},
+            "brokers": [
+                {"name": s.name, "url": f"tls://127.0.0.1:{s.client}", "monitor_url": s.monitor_url}
+                for s in servers
+                if s.cluster == cluster
+            ],
+        }
     return {
         "kind": "nats",
         "credentials": {"user": APP_USER, "password_file": str(secrets / "app")},
@@ -178,11 +223,12 @@ def health(servers: list[NatsServer]) -> dict[str, str]:
     leaders = set()
     for s in servers:
         try:
-            hz = httpx.get(f"{s.monitor_url}/healthz", timeout=2)
+            verify = s.client_tls()
+            hz = httpx.get(f"{s.monitor_url}/healthz", timeout=2, verify=verify)
             if hz.status_code != 200:
                 out[s.name] = f"healthz {hz.status_code}: {hz.text.strip()[:120]}"
                 continue
-            jsz = httpx.get(f"{s.monitor_url}/jsz", timeout=2).json()
+            jsz = httpx.get(f"{s.monitor_url}/jsz", timeout=2, verify=verify).json()
         except httpx.HTTPError as exc:
             out[s.name] = f"monitor not answering ({type(exc).__name__})"
             continue

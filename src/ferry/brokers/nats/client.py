@@ -4,9 +4,10 @@ Features: client connections with bounded connect and error mapping, the
 system account (server requests, CANCEL_MOVE, KICK), the monitoring endpoint
 (varz, jsz, connz), JetStream admin and KV through nats-py.
 
-Connection string: ``nats://host:4222`` per broker in the topology; the user and
-password come from the cluster's ``credentials`` (``system_credentials`` for the
-system account).
+Connection string: ``nats://host:4222`` (or ``tls://``) per broker in the topology;
+who ferry is comes from the cluster's ``credentials`` (``system_credentials`` for
+the system account): a user and password, a .creds file, an nkey seed or a token,
+over TLS as the cluster's ``tls`` block says (:mod:`ferry.brokers.nats.auth`).
 
 Options: ``timeout`` bounds the first connect (nats-py alone retries forever);
 after that the client reconnects on its own, which an operation that outlives
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +32,7 @@ from nats.errors import AuthorizationError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden
 from ferry.topology import NatsCluster
 
@@ -80,14 +83,20 @@ async def connect(
     errors: deque[BaseException] = deque(maxlen=20)  # all, not the last: a refused server closes at once,
     denied: deque[str] = deque(maxlen=100)  # so the next attempt's connection reset may follow its -ERR
 
+    servers = urls or cluster.urls
+    # a failed TLS handshake: nats-py reports the first one only and then waits out the timeout
+    refused_tls = asyncio.Event()
+
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
+        if auth.tls_error(exc):
+            refused_tls.set()
         if "permissions violation" in str(exc).lower():  # nats-py lowercases what the server said
             denied.append(str(exc))
             DENIALS.append(str(exc).removeprefix("nats: "))
 
     kwargs: dict[str, Any] = {
-        "servers": urls or cluster.urls,
+        "servers": servers,
         "name": options.pop("client_name", "ferry"),
         "connect_timeout": 2,
         "reconnect_time_wait": 0.25,
@@ -95,21 +104,39 @@ async def connect(
         "error_cb": on_error,
         **options,
     }
-    if creds:
-        kwargs["user"], kwargs["password"] = creds.user, creds.password()
+    kwargs |= auth.client_options(cluster, creds)
     try:
-        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout)
+        nc = await _first(nats.connect(**kwargs), refused_tls, timeout)
         _DENIED[nc] = denied
         return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
         cause = errors[-1] if errors else exc
         who = f"cluster {name!r}" if name else "NATS"
         if _is_auth(exc) or any(_is_auth(e) for e in errors):
-            raise AuthError(f"{who}: authorization violation for user {creds.user if creds else '(none)'!r}") from None
+            raise AuthError(
+                f"{who}: authorization violation for {creds.identity if creds else 'no credentials'}"
+            ) from None
+        if tls := next(filter(None, map(auth.tls_error, [*errors, exc])), None):
+            raise BrokerUnavailable(f"{who}: {', '.join(kwargs['servers'])}: {tls}") from None
         detail = f"{type(cause).__name__}: {cause}".rstrip(": ") if str(cause) else type(cause).__name__
         raise BrokerUnavailable(
             f"{who}: no server answered at {', '.join(kwargs['servers'])} within {timeout:.0f}s ({detail})"
         ) from None
+
+
+async def _first(connecting: Awaitable[Client], give_up: asyncio.Event, timeout: float) -> Client:
+    """The connected client, or TimeoutError after `timeout` or as soon as `give_up` is set."""
+    task, stop = asyncio.ensure_future(connecting), asyncio.ensure_future(give_up.wait())
+    try:
+        await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise TimeoutError
+    return task.result()
 
 
 @contextlib.asynccontextmanager
@@ -169,13 +196,17 @@ async def sys_request(nc: Client, subject: str, payload: dict | bytes = b"", tim
     return json.loads(msg.data) if msg.data else {}
 
 
-async def monitor_get(url: str, path: str, timeout: float = 5.0, **params: Any) -> Any:
-    """GET a monitoring endpoint (varz, jsz, connz, healthz ...) as JSON."""
+async def monitor_get(
+    url: str, path: str, timeout: float = 5.0, tls: ssl.SSLContext | None = None, **params: Any
+) -> Any:
+    """GET a monitoring endpoint (varz, jsz, connz, healthz ...) as JSON; over HTTPS verified with
+    `tls` (the cluster's context, :func:`auth.tls_context`), else the system's CAs."""
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with httpx.AsyncClient(timeout=timeout, verify=tls or True) as client:
             r = await client.get(f"{url}/{path.lstrip('/')}", params=params)
     except httpx.HTTPError as exc:
-        raise BrokerUnavailable(f"monitoring endpoint {url} not answering ({type(exc).__name__})") from None
+        why = auth.tls_error(exc.__context__) if exc.__context__ else None
+        raise BrokerUnavailable(f"monitoring endpoint {url} not answering ({why or type(exc).__name__})") from None
     if r.status_code >= 400 and path.startswith("healthz"):
         raise BrokerUnavailable(f"{url}/{path}: {r.status_code} {r.text.strip()[:200]}")
     r.raise_for_status()
@@ -193,7 +224,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             return f"{info.get('server_name', '?')} v{info.get('version', '?')}"
 
     async def monitor(url: str) -> str:
-        varz = await monitor_get(url, "varz", timeout=3)
+        varz = await monitor_get(url, "varz", timeout=3, tls=auth.tls_context(cluster))
         js = "JetStream on" if varz.get("jetstream", {}).get("config") else "JetStream off"
         return f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}"
 
@@ -206,7 +237,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             checks.append(timed_probe(name, b.name, "monitor", b.monitor_url, monitor(b.monitor_url)))
         if b.mqtt_url:
             creds = cluster.credentials
-            user, pw = (creds.user, creds.password()) if creds else (None, None)
+            user, pw = (creds.user, creds.password()) if creds and creds.user else (None, None)
             checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
     return list(await asyncio.gather(*checks))
 

@@ -17,9 +17,11 @@ goes away, holding what is published meanwhile (up to 8 MB) until it is
 connected again; what was in flight is the caller's to retry (acks time out,
 pull requests are re-issued).
 
-Supported: user and password (the topology's only credentials), headers,
-no-responders status messages, server PINGs. Not supported: TLS (refused
-with an error, nats-py is not used as a silent fallback).
+Supported: every credential of the topology (user and password, .creds file,
+nkey seed, token: :mod:`ferry.brokers.nats.auth`), TLS as the cluster's ``tls``
+block says (or when a server requires it: verified against the system's CAs),
+headers, no-responders status messages, server PINGs. Not supported: TLS
+before the server's INFO (``handshake_first``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import gc
 import json
 import random
 import secrets
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.headers import encode_headers, parse_headers
 from ferry.topology import NatsCluster
@@ -94,6 +98,7 @@ class Wire:
     ) -> None:
         self.cluster, self.name, self.client_name = cluster, name, client_name
         self.urls = urls or cluster.urls  # e.g. a load balancer's address instead of the servers'
+        self._tls = auth.tls_context(cluster)
         self._subs: dict[int, _Sub] = {}
         self._next_sid = 0
         self._out: list[bytes] = []
@@ -263,8 +268,15 @@ class Wire:
             if not line.startswith(b"INFO "):
                 raise BrokerUnavailable(f"{self.name}: {url} did not greet with INFO")
             info = json.loads(line[5:])
-            if info.get("tls_required"):
-                raise ConfigError(f"{self.name}: {url} requires TLS, which ferry's data plane does not speak")
+            tls = self._tls or (ssl.create_default_context() if info.get("tls_required") else None)
+            if tls and not info.get("tls_required") and not info.get("tls_available"):
+                raise ConfigError(f"cluster {self.name!r}: {url}: TLS asked for, but the server does not speak it")
+            if tls:  # NATS greets in plaintext, then the client starts TLS
+                server_name = (self.cluster.tls and self.cluster.tls.server_name) or parts.hostname
+                try:
+                    await writer.start_tls(tls, server_hostname=server_name)
+                except ssl.SSLError as exc:
+                    raise ConfigError(f"cluster {self.name!r}: {url}: {auth.tls_error(exc)}") from None
             options: dict[str, Any] = {
                 "verbose": False,
                 "pedantic": False,
@@ -276,8 +288,7 @@ class Wire:
                 "name": self.client_name,
             }
             creds = self.cluster.credentials
-            if creds:
-                options["user"], options["pass"] = creds.user, creds.password()
+            options |= auth.connect_fields(creds, info.get("nonce", ""))
             writer.write(b"CONNECT %s\r\nPING\r\n" % json.dumps(options).encode())
             while True:
                 line = await reader.readline()
@@ -289,8 +300,8 @@ class Wire:
                     text = line[4:].strip().strip(b"'").decode()
                     if "authorization" in text.lower():
                         raise AuthError(
-                            f"cluster {self.name!r}: authorization violation for user "
-                            f"{creds.user if creds else '(none)'!r}"
+                            f"cluster {self.name!r}: authorization violation for "
+                            f"{creds.identity if creds else 'no credentials'}"
                         )
                     raise BrokerUnavailable(f"{self.name}: {url}: {text}")
                 if not line:

@@ -11,6 +11,7 @@ import httpx
 from nats.aio.client import Client
 
 from ferry.brokers import nats as bnats
+from ferry.brokers.nats import auth as bnats_auth
 from ferry.brokers.nats.jsapi import api as js_api
 from ferry.errors import BrokerUnavailable, FerryError
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER, Asset, Nodes, NodeView
@@ -28,6 +29,7 @@ class NatsNodes(Nodes):
         self.name, self.cluster = name, cluster
         self.brokers = {b.name: b for b in cluster.brokers}
         self.avoid = avoid
+        self.tls = bnats_auth.tls_context(cluster)  # for the monitoring endpoints over HTTPS
         self.nc: Client | None = None
         self.sysnc: Client | None = None
         self.account = ""
@@ -59,10 +61,19 @@ class NatsNodes(Nodes):
             v.error = "no monitor_url in the topology"
             return v
         try:
-            connz = await bnats.monitor_get(b.monitor_url, "connz", timeout=3, auth="true", limit=1_000_000)
+            connz = await bnats.monitor_get(
+                b.monitor_url, "connz", timeout=3, tls=self.tls, auth="true", limit=1_000_000
+            )
             jsz = (
                 await bnats.monitor_get(
-                    b.monitor_url, "jsz", timeout=3, accounts="true", streams="true", consumers="true", config="false"
+                    b.monitor_url,
+                    "jsz",
+                    timeout=3,
+                    tls=self.tls,
+                    accounts="true",
+                    streams="true",
+                    consumers="true",
+                    config="false",
                 )
                 if jetstream
                 else {}
@@ -187,7 +198,7 @@ class NatsNodes(Nodes):
         try:
             before = await self._copy(a, origin)
             await bnats.monitor_get(
-                self.brokers[server].monitor_url, "healthz", timeout=3, account=a.account, stream=a.stream
+                self.brokers[server].monitor_url, "healthz", timeout=3, tls=self.tls, account=a.account, stream=a.stream
             )
             there = await self._copy(a, server)
         except (FerryError, httpx.HTTPError):
@@ -210,6 +221,7 @@ class NatsNodes(Nodes):
             self.brokers[server].monitor_url,
             "jsz",
             timeout=3,
+            tls=self.tls,
             acc=a.account,
             accounts="true",
             streams="true",

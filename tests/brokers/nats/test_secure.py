@@ -1,0 +1,268 @@
+"""ferry on secured NATS: the secure lab (operator mode, .creds files, TLS on every port, client
+certificates required) and single servers taking an nkey user and a token. Every message is
+counted by id; bad settings get one line and change nothing; no secret reaches any output."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nkeys
+import pytest
+import trustme
+import yaml
+
+from ferry import lab
+from ferry.brokers import nats as bnats
+from ferry.lab.nats import nats_server_binary
+from ferry.lab.procs import free_ports, port_open
+from ferry.topology import load_topology
+from tests.helpers import FERRY, finish, judge, make_stream, read_stream, start_load
+
+pytestmark = pytest.mark.lab
+
+OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
+
+
+def ferry(*args: str, topology: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    r = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    OUTPUTS.extend((r.stdout, r.stderr))
+    return r
+
+
+@pytest.fixture
+def secure(secure_supercluster: lab.LabState) -> lab.LabState:
+    return secure_supercluster
+
+
+def acked_ids(ledger: Path) -> set[str]:
+    import pyarrow.parquet as pq
+
+    return {r["id"] for r in pq.read_table(ledger).to_pylist() if r["outcome"] == "acked"}
+
+
+def held_ids(topology: Path, cluster: str, stream: str) -> list[str]:
+    rows = asyncio.run(read_stream(load_topology(topology), cluster, stream))
+    return [r["msg_id"] for r in rows]
+
+
+def test_the_secure_lab_writes_a_production_topology_that_checks_clean(secure: lab.LabState) -> None:
+    topology = secure.path / "topology.yaml"
+    east = yaml.safe_load(topology.read_text())["sites"]["sc"]["clusters"]["east"]
+    assert set(east["credentials"]) == {"creds_file"} and set(east["system_credentials"]) == {"creds_file"}
+    assert set(east["tls"]) == {"ca_file", "cert_file", "key_file"}
+    assert all(b["url"].startswith("tls://") and b["monitor_url"].startswith("https://") for b in east["brokers"])
+    r = ferry("topology", "check", str(topology), "--json", topology=topology)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["probes"]
+    assert len(rows) == 6 * 3 and all(p["ok"] for p in rows), rows  # client, system account, HTTPS monitor
+
+
+@pytest.mark.spark
+def test_move_under_load_on_the_secure_lab_loses_nothing(secure: lab.LabState, tmp_path: Path, spark: Any) -> None:
+    """The capture guard, the journal and the move's control plane over TLS with .creds; producers
+    publish to the stream with acks all the while; every acked id is held once at the end."""
+    topology = secure.path / "topology.yaml"
+    asyncio.run(make_stream(load_topology(topology), "east", "SECURE_MOVE", ["secure_move.>"], placement="east"))
+    load = start_load(topology, "jetstream://east", "secure_move.{n}", tmp_path / "ledger", 8, "--producers", "2")
+    time.sleep(2)
+    r = ferry("move", "SECURE_MOVE", "--to", "west", "--json", topology=topology)
+    finish(load)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["outcome"] == "moved" and result["verify"]["ok"] and result["cluster"] == "west", result
+    held, acked = held_ids(topology, "west", "SECURE_MOVE"), acked_ids(tmp_path / "ledger")
+    assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 1000, (len(held), len(acked))
+    t = judge(spark, topology, tmp_path / "ledger", "jetstream://west/SECURE_MOVE", tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
+
+
+def test_a_spark_copy_on_the_secure_lab_copies_every_message_once(secure: lab.LabState, tmp_path: Path) -> None:
+    """The data plane's own NATS client, in Spark's executors, over TLS with a .creds file."""
+    topology = secure.path / "topology.yaml"
+    asyncio.run(make_stream(load_topology(topology), "east", "SECURE_SRC", ["secure_src.>"], placement="east"))
+    load = ferry("load", "jetstream://east", "--subject", "secure_src.{n}", "--count", "5000", "--ledger",
+                 str(tmp_path / "ledger"), topology=topology)  # fmt: skip
+    assert load.returncode == 0, load.stderr
+    r = ferry("copy", "jetstream://east/SECURE_SRC", "jetstream://west/SECURE_DST", "--create", "--json",
+              "--subject-prefix", "copy.", topology=topology)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["stored"] == 5000
+    held = held_ids(topology, "west", "SECURE_DST")
+    assert len(held) == len(set(held)) == 5000 and set(held) == acked_ids(tmp_path / "ledger")
+
+
+def _variant(topology: Path, out: Path, change: Any) -> Path:
+    doc = yaml.safe_load(topology.read_text())
+    west = copy.deepcopy(doc)["sites"]["sc"]["clusters"]["west"]
+    change(west, out.parent)
+    doc["sites"]["sc"]["clusters"]["west"] = west
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def _other_ca(d: Path) -> str:
+    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
+    return str(d / "other-ca.pem")
+
+
+def _malformed(d: Path) -> str:
+    (d / "bad.creds").write_text("-----BEGIN NATS USER JWT-----\n")
+    return str(d / "bad.creds")
+
+
+BAD = {
+    "a creds file that is not there": (
+        lambda c, d: c["credentials"].update(creds_file=str(d / "nope.creds")),
+        "error: credentials: creds file {d}/nope.creds does not exist",
+    ),
+    "a malformed creds file": (
+        lambda c, d: c["credentials"].update(creds_file=_malformed(d)),
+        "error: credentials: creds file {d}/bad.creds is not a NATS .creds file (a user JWT and an nkey seed)",
+    ),
+    "another CA": (
+        lambda c, d: c["tls"].update(ca_file=_other_ca(d)),
+        "TLS: certificate verify failed: unable to get local issuer certificate",
+    ),
+    "a name the certificate does not carry": (
+        lambda c, d: c["tls"].update(server_name="nats-a"),
+        "TLS: certificate verify failed: Hostname mismatch, certificate is not valid for 'nats-a'.",
+    ),
+    "plaintext URLs and no CA": (
+        lambda c, d: [c.pop("tls"), *(b.update(url=b["url"].replace("tls://", "nats://")) for b in c["brokers"])],
+        "TLS: certificate verify failed",  # the server asks for TLS; the system's CAs do not know the lab's
+    ),
+    "no client certificate": (
+        lambda c, d: [c["tls"].pop("cert_file"), c["tls"].pop("key_file")],
+        "TLS: the server requires a client certificate (tls.cert_file and tls.key_file;",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_security_settings_get_one_line_and_change_nothing(secure: lab.LabState, tmp_path: Path, case: str) -> None:
+    change, expected = BAD[case]
+    topology = _variant(secure.path / "topology.yaml", tmp_path / "topology.yaml", change)
+    for args in (["stream", "info", "SECURE_ANY", "--cluster", "west"],  # the control plane
+                 ["copy", "jetstream://west/SECURE_ANY", "jetstream://west/SECURE_NEW", "--create",
+                  "--subject-prefix", "copy."]):  # fmt: skip
+        r = ferry(*args, topology=topology, timeout=120)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+        assert expected.format(d=tmp_path) in r.stderr, r.stderr
+    names = asyncio.run(_streams(secure.path / "topology.yaml"))
+    assert "SECURE_NEW" not in names
+
+
+async def _streams(topology: Path) -> list[str]:
+    async with bnats.session(load_topology(topology).nats("west")) as nc:
+        return [i.config.name for i in await nc.jsm().streams_info()]
+
+
+# -- an nkey user and a token, on servers of their own ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two single servers with JetStream: one whose user is an nkey, one that takes a token."""
+    d = tmp_path_factory.mktemp("auth")
+    user = nkeys.from_seed(bytearray(_user_seed()))
+    (d / "user.nk").write_text(user.seed.decode())
+    (d / "token").write_text(token := base64.b32encode(os.urandom(15)).decode())
+    nkey_port, token_port = free_ports(2)
+    confs = {
+        nkey_port: {"accounts": {"A": {"jetstream": "enabled", "users": [{"nkey": user.public_key.decode()}]}}},
+        token_port: {"authorization": {"token": token}},
+    }
+    procs = []
+    try:
+        for port, auth in confs.items():
+            conf = d / f"{port}.conf"
+            conf.write_text(json.dumps({"listen": f"127.0.0.1:{port}", "jetstream": {"store_dir": str(d / str(port))}}
+                                       | auth))  # fmt: skip
+            procs.append(subprocess.Popen([nats_server_binary(), "-c", str(conf)], stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 20
+        while not all(port_open(p) for p in confs):
+            assert time.monotonic() < deadline, "the servers did not listen"
+            time.sleep(0.1)
+        yield {"dir": d, "nkey_port": nkey_port, "token_port": token_port, "secrets": [user.seed.decode(), token]}
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def _user_seed() -> bytes:
+    from nats_jwt.nkeys_ext.nkeys2 import create_user_pair
+
+    return create_user_pair().seed
+
+
+def test_an_nkey_user_and_a_token_reach_the_control_and_data_planes(plain_auth: dict[str, Any]) -> None:
+    d = plain_auth["dir"]
+    doc = {"version": 1, "sites": {"s": {"clusters": {
+        "nk": {"kind": "nats", "credentials": {"nkey_seed_file": str(d / "user.nk")},
+               "brokers": [{"name": "nk-1", "url": f"nats://127.0.0.1:{plain_auth['nkey_port']}"}]},
+        "tok": {"kind": "nats", "credentials": {"token_file": str(d / "token")},
+                "brokers": [{"name": "tok-1", "url": f"nats://127.0.0.1:{plain_auth['token_port']}"}]},
+    }}}}  # fmt: skip
+    topology = d / "topology.yaml"
+    topology.write_text(yaml.safe_dump(doc))
+    for cluster in ("nk", "tok"):
+        add = ferry("stream", "add", "AUTH", "--cluster", cluster, "--subject", "auth.>", "--replicas", "1",
+                    topology=topology)  # fmt: skip
+        assert add.returncode == 0, add.stderr
+        load = ferry("load", f"jetstream://{cluster}", "--subject", "auth.{n}", "--count", "500", "--ledger",
+                     str(d / f"ledger-{cluster}"), topology=topology)  # fmt: skip
+        assert load.returncode == 0, load.stderr
+    r = ferry("copy", "jetstream://nk/AUTH", "jetstream://tok/AUTH", "--json", topology=topology)  # the wire client
+    # (nk's AUTH into tok's: the same name and subjects, in another deployment)
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = held_ids(topology, "tok", "AUTH")
+    assert len(held) == len(set(held)) == 1000
+    assert set(held) == acked_ids(d / "ledger-nk") | acked_ids(d / "ledger-tok")
+    wrong = d / "wrong.yaml"
+    (d / "wrong-token").write_text("not-the-token")
+    wrong.write_text(topology.read_text().replace(str(d / "token"), str(d / "wrong-token")))
+    r = ferry("stream", "info", "AUTH", "--cluster", "tok", topology=wrong)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        f"error: cluster 'tok': authorization violation for token in {d / 'wrong-token'}"
+    ], r.stderr
+
+
+# -- last: no secret anywhere ---------------------------------------------------------------------
+
+
+def test_no_secret_reaches_any_output_or_the_journal(secure: lab.LabState, plain_auth: dict[str, Any]) -> None:
+    """The users' JWTs and seeds, the client's private key, the token: in none of this module's
+    outputs, nor in any key-value bucket (the journal) of the secure lab's account."""
+    secrets = list(plain_auth["secrets"])
+    for creds in (secure.path / "secrets").glob("*.creds"):
+        secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
+    key = (secure.path / "tls" / "client-key.pem").read_text()
+    secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
+    assert len(secrets) >= 2 * 3 + 2 and len(OUTPUTS) > 20
+
+    async def journal() -> list[str]:
+        async with bnats.session(load_topology(secure.path / "topology.yaml").nats("east")) as nc:
+            js, values = nc.jetstream(), []
+            for info in await nc.jsm().streams_info():
+                if info.config.name.startswith("KV_"):
+                    kv = await js.key_value(info.config.name.removeprefix("KV_"))
+                    for k in await kv.keys():
+                        values.append((await kv.get(k)).value.decode(errors="replace"))
+            return values
+
+    kept = asyncio.run(journal())
+    assert kept, "the move kept no journal record"
+    for text in OUTPUTS + kept:
+        leaked = [i for i, s in enumerate(secrets) if s in text]
+        assert not leaked, f"secrets number {leaked} in: {' '.join(text.split())[:300]}"
