@@ -59,9 +59,11 @@ class Relay:
         self.proc.wait(timeout=30)
 
 
-def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float) -> subprocess.Popen:
+def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float | None) -> subprocess.Popen:
+    """`ferry load` at `rate` for `seconds` (None: until it gets SIGTERM)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), "--duration", str(seconds)]
+    until = ["--duration", str(seconds)] if seconds else ["--until-signal"]
+    args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), *until]
     args += ["--producers", "4", "--ledger", str(ledger), "--json"]
     return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -315,13 +317,15 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
     nyc = sites.proc("nyc-1")
     try:
         relay.event("resume")
-        # 14 s: still publishing when the relay stops (a loaded CI run relayed all of 8 s before it did)
-        producers = load(topology, "nyc", "cyc.nyc.{n}", tmp_path / "ledger-nyc", 2000, 14)
+        # publishing until nyc is gone, however long the relay takes to start (a loaded run relayed all
+        # of a 14 s load before the relay was paused)
+        producers = load(topology, "nyc", "cyc.nyc.{n}", tmp_path / "ledger-nyc", 2000, None)
         wait_for(lambda: stream_count(topo, "sfo", "CYC") > 2000, 60, "relaying")
         relay.kill(signal.SIGSTOP)  # replication lags: what nyc acks now is not at sfo yet
         time.sleep(2.0)
         nyc.signal(signal.SIGKILL)  # the site fails
         wait_for(lambda: not nyc.alive(), 10, "nyc to die")
+        producers.send_signal(signal.SIGTERM)
         at_nyc = finished(producers)["acked"]
 
         args = ["site", "failover", "--to", "sfo", "--json"]

@@ -42,10 +42,10 @@ def client_options(cluster: NatsCluster, creds: Credentials | None) -> dict[str,
     if creds.user:
         options["user"], options["password"] = creds.user, creds.password()
     elif creds.creds_file:
-        _key(creds)  # readable and well-formed: nats-py would fail with a traceback
+        _key(creds)[1].wipe()  # readable and well-formed: nats-py would fail with a traceback
         options["user_credentials"] = str(creds.creds_file)
     elif creds.nkey_seed_file:
-        _key(creds)
+        _key(creds)[1].wipe()
         options["nkeys_seed"] = str(creds.nkey_seed_file)
     else:
         options["token"] = creds.token()

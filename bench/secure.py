@@ -1,0 +1,88 @@
+"""Benchmark: ferry on a secured super-cluster against the same on a plaintext one, same run.
+
+Two labs side by side: `supercluster` (users and passwords, plaintext) and `supercluster --secure`
+(operator mode, .creds files, TLS on every port with client certificates). In each, alternately:
+
+- copy: `ferry copy` of an R3 stream of 1 kB messages in east into a new stream in west (Spark,
+  the data plane's own client); the rate is messages / seconds of the copy job;
+- move: `ferry move` of an R3 stream (prefilled) from east to west while producers on west publish
+  at 3,500 msg/s core and 3,500 msg/s JetStream (bench/move.py's case); lost counted by Ferry-Id.
+
+Target: secure >= 0.8x plaintext copy throughput; move 0 lost on both. (RabbitMQ over TLS: not
+supported yet.)
+
+    .venv/bin/python -m bench.secure            # 100,000 messages copied, 3 rounds
+    .venv/bin/python -m bench.secure --quick    # 20,000, 1 round
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench._util import run_ferry, save_rows
+from bench.move import make, one
+from ferry import lab
+from ferry.topology import load_topology
+
+LABS = ("plain", "secure")
+
+
+def copy_round(topology: Path, n: int, i: int) -> dict[str, Any]:
+    asyncio.run(make(load_topology(topology), "CP_SRC", n))
+    args = ["copy", "jetstream://east/CP_SRC", f"jetstream://west/CP_DST_{i}", "--create", "--subject-prefix", f"c{i}."]
+    r = run_ferry(args, topology)
+    report = r["report"]
+    assert report["stored"] == n, report
+    return {"copied": n, "rate": n / report["seconds"], "wall_s": r["wall"], "cpu_s": r["cpu"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="20,000 messages, one round")
+    args = parser.parse_args()
+    n, runs = (20_000, 1) if args.quick else (args.messages, args.runs)
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
+    root.chmod(0o755)
+    os.environ["FERRY_LAB_DIR"] = str(root)
+    roots = {name: root / name for name in LABS}
+    rows: list[dict[str, Any]] = []
+    try:
+        for name, where in roots.items():
+            where.mkdir(mode=0o755)
+            lab.up("supercluster", where, log=lambda _: None, secure=name == "secure")
+        for i in range(runs):
+            for name, where in roots.items():
+                topology = where / "topology.yaml"
+                row = {"lab": name, "round": i, **copy_round(topology, n, i)}
+                moved = one(load_topology(topology), topology, "ferry", 3500, 5_000, where / "work")
+                row |= {"move_" + k: moved[k] for k in ("sent", "lost", "took_s", "unavailable_s")}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for where in roots.values():
+            lab.down(root=where, log=lambda _: None)
+    print()
+    plain = statistics.median(r["rate"] for r in rows if r["lab"] == "plain")
+    print(f"{'lab':7} {'copy msg/s':>10} {'ratio':>6} {'move sent':>9} {'lost':>5} {'move s':>7} {'window ms':>9}")
+    for name in LABS:
+        mine = [r for r in rows if r["lab"] == name]
+        rate = statistics.median(r["rate"] for r in mine)
+        print(
+            f"{name:7} {rate:>10,.0f} {rate / plain:>5.2f}x {sum(r['move_sent'] for r in mine):>9,} "
+            f"{sum(r['move_lost'] for r in mine):>5} {statistics.median(r['move_took_s'] for r in mine):>7.2f} "
+            f"{max(r['move_unavailable_s'] for r in mine) * 1000:>9.1f}"
+        )
+    save_rows("secure", rows)
+
+
+if __name__ == "__main__":
+    main()
