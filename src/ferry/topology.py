@@ -132,10 +132,8 @@ class Credentials(_Model):
             if env and env not in os.environ:
                 return f"environment variable {env} is not set"
         for key in ("password_file", "creds_file", "nkey_seed_file", "token_file"):
-            path = getattr(self, key)
-            if path and not os.access(path, os.R_OK):
-                what = key.replace("_file", "").replace("_", " ")
-                return f"{what} file {path} {'is not readable' if path.exists() else 'does not exist'}"
+            if problem := _unreadable(getattr(self, key)):
+                return f"{key.replace('_file', '').replace('_', ' ')} file {problem}"
         return None
 
     def _read(self, env: str | None, file: Path | None) -> str | None:
@@ -174,14 +172,20 @@ class Tls(_Model):
 
     def missing(self) -> str | None:
         for key in ("ca_file", "cert_file", "key_file"):
-            path = getattr(self, key)
-            if path and not os.access(path, os.R_OK):
-                return f"tls.{key} {path} {'is not readable' if path.exists() else 'does not exist'}"
+            if problem := _unreadable(getattr(self, key)):
+                return f"tls.{key} {problem}"
         return None
 
     def context(self) -> ssl.SSLContext:
         """A client context that verifies the server (and presents the client certificate)."""
         return _tls_context(self)
+
+
+def _unreadable(path: Path | None) -> str | None:
+    """Why `path` cannot be read (it does not exist, or is not readable), else None (None for no path)."""
+    if path and not os.access(path, os.R_OK):
+        return f"{path} {'is not readable' if path.exists() else 'does not exist'}"
+    return None
 
 
 @functools.cache
