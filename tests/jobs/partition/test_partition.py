@@ -198,15 +198,15 @@ def test_split_a_partition_under_load_loses_nothing(supercluster: lab.LabState, 
     ferry("partition", "apply", str(v1), topology=topology, check=True)
     led = tmp_path / "ledger"
 
-    # 2,000 msg/s in all, until the repartition is over: the moving subjects get fire-and-forget
+    # 900 msg/s in all, until the repartition is over: the moving subjects get fire-and-forget
     # (core) and acked JetStream publishes
     def until(rate: int) -> tuple[str, ...]:  # stopped by the signal below
         return ("--rate", str(rate), "--until-signal")
 
     loads = [
-        start_load(topology, "nats://west", "split.us.c{n}", led / "us" / "kind=core", 600, "--no-msg-id", *until(700)),
-        start_load(topology, "jetstream://east", "split.us.j{n}", led / "us" / "kind=js", 600, *until(700)),
-        start_load(topology, "jetstream://west", "split.eu.{n}", led / "eu" / "kind=js", 600, *until(600)),
+        start_load(topology, "nats://west", "split.us.c{n}", led / "us" / "kind=core", 600, "--no-msg-id", *until(300)),
+        start_load(topology, "jetstream://east", "split.us.j{n}", led / "us" / "kind=js", 600, *until(300)),
+        start_load(topology, "jetstream://west", "split.eu.{n}", led / "eu" / "kind=js", 600, *until(300)),
     ]
     try:
         time.sleep(4)

@@ -62,7 +62,8 @@ class Relay:
 def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float | None) -> subprocess.Popen:
     """`ferry load` at `rate` for `seconds` (None: until it gets SIGTERM)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    until = ["--duration", str(seconds)] if seconds else ["--until-signal"]
+    # until a signal: a publish not acked within 5 s is given up (the test kills the site under it)
+    until = ["--duration", str(seconds)] if seconds else ["--until-signal", "--give-up-after", "5"]
     args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), *until]
     args += ["--producers", "4", "--ledger", str(ledger), "--json"]
     return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
