@@ -23,6 +23,7 @@ from ferry.errors import AuthError, FerryError
 from ferry.jobs.proof import smoke
 from ferry.lab import nats as lab_nats
 from ferry.lab.procs import group_members
+from ferry.lab.rabbitmq import ADMIN_USER
 from ferry.topology import load_topology
 from tests.conftest import profile_topology
 from tests.helpers import FERRY, as_rabbit_user, ferry
@@ -242,6 +243,9 @@ def test_topology_check_probes_and_reports_wrong_password(rabbit_dr: lab.LabStat
     path = rabbit_dr.path / "topology.yaml"
     result = CliRunner().invoke(app, ["topology", "check", str(path)])
     assert result.exit_code == 0, result.output
+    report = json.loads(CliRunner().invoke(app, ["topology", "check", str(path), "--json"]).output)
+    management = [p for p in report["probes"] if p["endpoint"] == "management"]  # who the API says ferry is
+    assert management and all(p["identity"] == f"user {ADMIN_USER} (tags administrator)" for p in management)
     wrong = tmp_path / "secret"
     wrong.write_text("not-the-password")
     bad = tmp_path / "bad.yaml"

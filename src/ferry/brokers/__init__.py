@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-from ferry.brokers.base import BrokerKind, Probe
+from ferry.brokers.base import BrokerKind, Probe, certificate_file_expiry, expiry_warnings
 from ferry.brokers.nats import client as nats_client
 from ferry.brokers.rabbitmq import client as rabbitmq_client
 from ferry.errors import BrokerUnavailable, FerryError
 from ferry.topology import NatsCluster, Topology
 
-__all__ = ["KINDS", "BrokerKind", "Probe", "kind", "probe_all", "transient", "translate"]
+__all__ = ["KINDS", "BrokerKind", "Probe", "client_certificates", "kind", "probe_all", "transient", "translate"]
 
 KINDS: dict[str, type[BrokerKind]] = {"nats": nats_client.Nats, "rabbitmq": rabbitmq_client.Rabbit}
 
@@ -53,3 +53,19 @@ async def probe_all(topology: Topology) -> list[Probe]:
         for _, name, cluster in topology.clusters()
     ]
     return [p for probes in await asyncio.gather(*tasks) for p in probes]
+
+
+def client_certificates(topology: Topology) -> tuple[list[str], list[str]]:
+    """The client certificates of the topology's ``tls`` blocks that expired (problems) or
+    expire within a month (warnings)."""
+    problems, warnings = [], []
+    for _, name, cluster in topology.clusters():
+        tls = getattr(cluster, "tls", None)
+        if tls is None or tls.cert_file is None:
+            continue
+        days, date = certificate_file_expiry(tls.cert_file)
+        what = f"cluster {name}: the client certificate {tls.cert_file}"
+        if days < 0:
+            problems.append(f"{what} expired on {date}")
+        warnings += expiry_warnings(what, days, date) if days >= 0 else []
+    return problems, warnings

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -23,6 +25,19 @@ class Probe:
     ok: bool
     detail: str
     ms: float
+    tls: dict[str, Any] | None = None  # version, subject, expires, days_left (see tls_session)
+    identity: str | None = None  # who the server says ferry is there
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    """What an endpoint check found: a line, and where known the TLS session and ferry's identity."""
+
+    detail: str
+    tls: dict[str, Any] | None = None
+    identity: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 class BrokerKind:
@@ -43,17 +58,74 @@ class BrokerKind:
         return None
 
 
-async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str]) -> Probe:
+async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str | Answer]) -> Probe:
     """Run one endpoint check; any ferry error becomes a failed probe with its one-line reason."""
     t0 = time.perf_counter()
     try:
-        detail = await check
+        got = await check
+        answer = got if isinstance(got, Answer) else Answer(got)
         ok = True
     except FerryError as exc:
-        detail, ok = str(exc), False
+        answer, ok = Answer(str(exc)), False
     except (TimeoutError, OSError) as exc:
-        detail, ok = f"{type(exc).__name__}: {exc}".rstrip(": "), False
-    return Probe(cluster, broker, endpoint, redact(url), ok, detail, (time.perf_counter() - t0) * 1000)
+        answer, ok = Answer(f"{type(exc).__name__}: {exc}".rstrip(": ")), False
+    if answer.tls:
+        answer.warnings += expiry_warnings("the server's certificate", answer.tls["days_left"], answer.tls["expires"])
+    ms = (time.perf_counter() - t0) * 1000
+    return Probe(cluster, broker, endpoint, redact(url), ok, ms=ms, **answer.__dict__)
+
+
+# a certificate that expires within this many days gets a warning from `ferry topology check`
+EXPIRY_WARNING_DAYS = 30
+_NAMES = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C"}
+
+
+async def tls_session(
+    url: str, ctx: ssl.SSLContext, server_name: str | None = None, *, clear_first_line: bool = False
+) -> dict[str, Any]:
+    """The TLS session `url` offers ferry: protocol version, the server certificate's subject, its
+    expiry and the days left (an expired certificate is an error). `clear_first_line`: the
+    protocol speaks one line before TLS starts (a NATS server's INFO)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or {"https": 443, "amqps": 5671}.get(parts.scheme, 4222)
+    timeout = 3.0
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        if clear_first_line:
+            await asyncio.wait_for(reader.readline(), timeout)
+        await asyncio.wait_for(writer.start_tls(ctx, server_hostname=server_name or host), timeout)
+        tls = writer.get_extra_info("ssl_object")
+        cert = tls.getpeercert() or {}
+    finally:
+        writer.close()
+    subject = [(_NAMES.get(k, k), v) for rdn in cert.get("subject", ()) for k, v in rdn]
+    cn = [f"{k}={v}" for k, v in subject if k == "CN"]
+    not_after = ssl.cert_time_to_seconds(cert["notAfter"]) if cert.get("notAfter") else None
+    facts = {
+        "version": tls.version(),
+        "subject": ",".join(cn or [f"{k}={v}" for k, v in subject]),
+        "expires": time.strftime("%Y-%m-%d", time.gmtime(not_after)) if not_after else None,
+        "days_left": int((not_after - time.time()) // 86400) if not_after else None,
+    }
+    if facts["days_left"] is not None and facts["days_left"] < 0:
+        raise FerryError(f"TLS: the server's certificate ({facts['subject']}) expired on {facts['expires']}")
+    return facts
+
+
+def expiry_warnings(what: str, days_left: int | None, expires: str | None) -> list[str]:
+    """A warning when `what` expires within EXPIRY_WARNING_DAYS days."""
+    if days_left is None or days_left >= EXPIRY_WARNING_DAYS:
+        return []
+    return [f"{what} expires in {days_left} days ({expires})"]
+
+
+def certificate_file_expiry(path: Path) -> tuple[int, str]:
+    """Days left and the expiry date (YYYY-MM-DD) of the PEM certificate at `path`."""
+    from cryptography import x509
+
+    not_after = x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc
+    return int((not_after.timestamp() - time.time()) // 86400), not_after.strftime("%Y-%m-%d")
 
 
 async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: float = 3.0) -> str:

@@ -23,25 +23,42 @@ def topology_check(
     probe: Annotated[bool, typer.Option(help="Probe every endpoint (--no-probe: validate only).")] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Validate a topology file and probe every endpoint; one line per problem."""
-    from ferry.brokers import probe_all
+    """Validate a topology file and probe every endpoint; one line per problem.
+
+    For each endpoint: whether it answered, its TLS session (version, the server certificate's
+    subject, days until it expires) and who the server says ferry is (NATS user and account,
+    RabbitMQ user and tags). A certificate or user JWT that expires within 30 days is a warning;
+    an expired one is a problem (exit 1)."""
+    from ferry.brokers import client_certificates, probe_all
     from ferry.topology import load_topology
 
     topo = load_topology(file)
     problems = [f"{file}: {p}" for p in topo.credential_problems()]
+    expired, warnings = client_certificates(topo) if not problems else ([], [])
+    problems += [f"{file}: {p}" for p in expired]
     probes = run(probe_all(topo)) if probe and not problems else []
     problems += [f"{p.cluster}/{p.broker} {p.endpoint} {p.url}: {p.detail}" for p in probes if not p.ok]
+    warnings += [f"{p.cluster}/{p.broker} {p.endpoint}: {w}" for p in probes for w in p.warnings]
     if as_json:
         print_json(
-            {"file": str(file), "ok": not problems, "problems": problems, "probes": [p.__dict__ for p in probes]}
+            {
+                "file": str(file),
+                "ok": not problems,
+                "problems": problems,
+                "warnings": warnings,
+                "probes": [p.__dict__ for p in probes],
+            }
         )
     else:
         if probes:
-            table = Table("cluster", "broker", "endpoint", "url", "answer", "ms", title=f"{file}")
+            table = Table("cluster", "broker", "endpoint", "url", "answer", "tls", "identity", "ms", title=f"{file}")
             for p in probes:
                 answer = f"[green]{p.detail}[/]" if p.ok else f"[red]{p.detail}[/]"
-                table.add_row(p.cluster, p.broker, p.endpoint, p.url, answer, f"{p.ms:.0f}")
+                table.add_row(p.cluster, p.broker, p.endpoint, p.url, answer, _tls_cell(p.tls), p.identity or "-",
+                              f"{p.ms:.0f}")  # fmt: skip
             out.print(table)
+        for line in warnings:
+            err.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
         for line in problems:
             err.print(f"[red]problem:[/] {line}", highlight=False, soft_wrap=True)
         if not problems:
@@ -52,6 +69,15 @@ def topology_check(
             )
     if problems:
         raise typer.Exit(1)
+
+
+def _tls_cell(tls: dict | None) -> str:
+    """``TLSv1.3 CN=nats-a (354 d)``; ``-`` for plaintext."""
+    if not tls:
+        return "-"
+    days = tls["days_left"]
+    left = "" if days is None else f" ({days} d)" if days >= 30 else f" [yellow]({days} d)[/]"
+    return f"{tls['version']} {tls['subject']}{left}"
 
 
 @topology_app.command("smoke")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import datetime
 import json
 import os
 import subprocess
@@ -65,6 +66,10 @@ def test_the_secure_lab_writes_a_production_topology_that_checks_clean(secure: l
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["probes"]
     assert len(rows) == 6 * 3 and all(p["ok"] for p in rows), rows  # client, system account, HTTPS monitor
+    # every endpoint over TLS with the lab's server certificate; who ferry is, as the servers say
+    assert all(p["tls"]["version"] == "TLSv1.3" and p["tls"]["subject"] == "CN=127.0.0.1" for p in rows), rows
+    accounts = {"client": "user ferry in account APP", "system": "user ferry in account SYS", "monitor": None}
+    assert all(p["identity"] == accounts[p["endpoint"]] for p in rows), rows
 
 
 @pytest.mark.spark
@@ -145,6 +150,10 @@ BAD = {
         lambda c, d: [c["tls"].pop("cert_file"), c["tls"].pop("key_file")],
         "TLS: the server requires a client certificate (tls.cert_file and tls.key_file;",
     ),
+    "an account without JetStream": (
+        lambda c, d: c["credentials"].update(c["system_credentials"]),
+        "cluster 'west' as creds file {sys}: JetStream is not enabled for this account (err_code 10039)",
+    ),
 }
 
 
@@ -157,7 +166,7 @@ def test_bad_security_settings_get_one_line_and_change_nothing(secure: lab.LabSt
                   "--subject-prefix", "copy."]):  # fmt: skip
         r = ferry(*args, topology=topology, timeout=120)
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
-        assert expected.format(d=tmp_path) in r.stderr, r.stderr
+        assert expected.format(d=tmp_path, sys=secure.path / "secrets" / "sys.creds") in r.stderr, r.stderr
     names = asyncio.run(_streams(secure.path / "topology.yaml"))
     assert "SECURE_NEW" not in names
 
@@ -172,28 +181,46 @@ async def _streams(topology: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def plain_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Two single servers with JetStream: one whose user is an nkey, one that takes a token."""
+    """Single servers with JetStream: one whose user is an nkey, one that takes a token, one whose
+    TLS certificate expires in 10 days and one whose certificate has expired."""
     d = tmp_path_factory.mktemp("auth")
     user = nkeys.from_seed(bytearray(_user_seed()))
     (d / "user.nk").write_text(user.seed.decode())
     (d / "token").write_text(token := base64.b32encode(os.urandom(15)).decode())
-    nkey_port, token_port = free_ports(2)
+    ca, now = trustme.CA(), datetime.datetime.now(datetime.UTC)
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    for name, days in (("short", 10), ("old", -1), ("client-short", 5), ("client-old", -1)):
+        cert = ca.issue_cert("127.0.0.1", common_name="127.0.0.1", not_before=now - datetime.timedelta(days=20),
+                             not_after=now + datetime.timedelta(days=days, hours=1))  # fmt: skip
+        cert.cert_chain_pems[0].write_to_path(str(d / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(d / f"{name}.key"))
+    ports = dict(zip(("nkey", "token", "short", "old"), free_ports(4), strict=True))
     confs = {
-        nkey_port: {"accounts": {"A": {"jetstream": "enabled", "users": [{"nkey": user.public_key.decode()}]}}},
-        token_port: {"authorization": {"token": token}},
+        "nkey": {"accounts": {"A": {"jetstream": "enabled", "users": [{"nkey": user.public_key.decode()}]}}},
+        "token": {"authorization": {"token": token}},
+        "short": {"tls": {"cert_file": str(d / "short.pem"), "key_file": str(d / "short.key")}},
+        "old": {"tls": {"cert_file": str(d / "old.pem"), "key_file": str(d / "old.key")}},
     }
     procs = []
     try:
-        for port, auth in confs.items():
-            conf = d / f"{port}.conf"
-            conf.write_text(json.dumps({"listen": f"127.0.0.1:{port}", "jetstream": {"store_dir": str(d / str(port))}}
-                                       | auth))  # fmt: skip
-            procs.append(subprocess.Popen([nats_server_binary(), "-c", str(conf)], stderr=subprocess.DEVNULL))
+        for name, auth in confs.items():
+            conf = d / f"{name}.conf"
+            base = {"listen": f"127.0.0.1:{ports[name]}", "jetstream": {"store_dir": str(d / f"{name}-js")}}
+            conf.write_text(json.dumps(base | auth))
+            with (d / f"{name}.log").open("w") as log:
+                procs.append(subprocess.Popen([nats_server_binary(), "-c", str(conf)], stderr=log))
         deadline = time.monotonic() + 20
-        while not all(port_open(p) for p in confs):
-            assert time.monotonic() < deadline, "the servers did not listen"
+        while down := [n for n, p in ports.items() if not port_open(p)]:
+            assert time.monotonic() < deadline, f"not listening: {down} (see {d}/*.log)"
             time.sleep(0.1)
-        yield {"dir": d, "nkey_port": nkey_port, "token_port": token_port, "secrets": [user.seed.decode(), token]}
+        yield {
+            "dir": d,
+            "nkey_port": ports["nkey"],
+            "token_port": ports["token"],
+            "ports": ports,
+            "user": user.public_key.decode(),
+            "secrets": [user.seed.decode(), token],
+        }
     finally:
         for p in procs:
             p.terminate()
@@ -236,6 +263,117 @@ def test_an_nkey_user_and_a_token_reach_the_control_and_data_planes(plain_auth: 
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
         f"error: cluster 'tok': authorization violation for token in {d / 'wrong-token'}"
     ], r.stderr
+
+
+def test_topology_check_shows_tls_and_identity_and_warns_before_certificates_expire(
+    plain_auth: dict[str, Any],
+) -> None:
+    d, ports = plain_auth["dir"], plain_auth["ports"]
+
+    def cluster(name: str, **extra: Any) -> dict[str, Any]:
+        scheme = "tls" if "tls" in extra else "nats"
+        return {
+            "kind": "nats",
+            "brokers": [{"name": f"{name}-1", "url": f"{scheme}://127.0.0.1:{ports[name]}"}],
+        } | extra
+
+    def tls(client: str) -> dict[str, str]:
+        return {
+            "ca_file": str(d / "ca.pem"),
+            "cert_file": str(d / f"{client}.pem"),
+            "key_file": str(d / f"{client}.key"),
+        }
+
+    clusters = {
+        "nkey": cluster("nkey", credentials={"nkey_seed_file": str(d / "user.nk")}),
+        "token": cluster("token", credentials={"token_file": str(d / "token")}),
+        "short": cluster("short", tls=tls("client-short")),
+    }
+    topology = d / "check.yaml"
+    topology.write_text(yaml.safe_dump({"version": 1, "sites": {"s": {"clusters": clusters}}}))
+    r = ferry("topology", "check", str(topology), "--json", topology=topology)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    probes = {p["cluster"]: p for p in report["probes"]}
+    assert probes["nkey"]["identity"] == f"user {plain_auth['user']} in account A" and probes["nkey"]["tls"] is None
+    assert probes["token"]["identity"].endswith("in account $G"), probes["token"]
+    short = probes["short"]["tls"]
+    assert short["version"] in ("TLSv1.2", "TLSv1.3") and short["subject"] == "CN=127.0.0.1", short
+    assert short["days_left"] == 10, short
+    assert report["warnings"] == [
+        f"cluster short: the client certificate {d / 'client-short.pem'} expires in 5 days"
+        f" ({(datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=5, hours=1)):%Y-%m-%d})",
+        f"short/short-1 client: the server's certificate expires in 10 days ({short['expires']})",
+    ], report["warnings"]
+    human = ferry("topology", "check", str(topology), topology=topology)
+    assert human.returncode == 0 and human.stderr.count("warning: ") == 2, human.stderr
+    # expired: the client's certificate (found before anything is dialled), the server's
+    clusters["short"]["tls"] = tls("client-old")
+    topology.write_text(yaml.safe_dump({"version": 1, "sites": {"s": {"clusters": clusters}}}))
+    r = ferry("topology", "check", str(topology), topology=topology)
+    assert r.returncode == 1 and f"the client certificate {d / 'client-old.pem'} expired on " in r.stderr, r.stderr
+    clusters["short"] = cluster("old", tls={"ca_file": str(d / "ca.pem")})
+    topology.write_text(yaml.safe_dump({"version": 1, "sites": {"s": {"clusters": clusters}}}))
+    r = ferry("topology", "check", str(topology), topology=topology)
+    assert r.returncode == 1, r.stderr
+    assert "problem: short/old-1 client tls://127.0.0.1:" in r.stderr and "certificate has expired" in r.stderr
+
+
+def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(tmp_path: Path) -> None:
+    from nats_jwt.nkeys_ext.nkeys2 import create_operator_pair
+    from nats_jwt.v2.operator_claims import OperatorClaims
+    from nats_jwt.v2.snippets import Operator
+
+    pair = create_operator_pair()
+    operator = Operator(claims=OperatorClaims(pair.public_key.decode(), "t"), seed=pair.seed)
+    system = operator.create_account("SYS")
+    operator.claims.nats.system_account = system.claims.sub
+    app = operator.create_account("APP")
+    expires: dict[str, int] = {}
+    for name, seconds in (("soon", 10 * 86400 + 3600), ("gone", -3600)):
+        user = app.create_user(name)
+        user.claims.exp = expires[name] = int(time.time()) + seconds
+        (tmp_path / f"{name}.creds").write_text(
+            f"-----BEGIN NATS USER JWT-----\n{user.jwt}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{user.key_pair.seed.decode()}\n------END USER NKEY SEED------\n"
+        )
+    (tmp_path / "operator.jwt").write_text(operator.jwt)
+    (port,) = free_ports(1)
+    accounts = {app.claims.sub: app.jwt, system.claims.sub: system.jwt}
+    conf = {"listen": f"127.0.0.1:{port}", "operator": str(tmp_path / "operator.jwt"), "resolver": "MEMORY",
+            "system_account": system.claims.sub, "resolver_preload": accounts}  # fmt: skip
+    (tmp_path / "s.conf").write_text(json.dumps(conf))
+    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "s.conf")], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not port_open(port):
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not listen"
+            time.sleep(0.1)
+        for name in ("soon", "gone"):
+            broker = {"name": "c-1", "url": f"nats://127.0.0.1:{port}"}
+            cluster = {
+                "kind": "nats",
+                "credentials": {"creds_file": str(tmp_path / f"{name}.creds")},
+                "brokers": [broker],
+            }
+            (tmp_path / f"{name}.yaml").write_text(
+                yaml.safe_dump({"version": 1, "sites": {"s": {"clusters": {"c": cluster}}}})
+            )
+        r = ferry("topology", "check", str(tmp_path / "soon.yaml"), "--json", topology=tmp_path / "soon.yaml")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["probes"][0]["identity"] == "user soon in account APP", report
+        assert report["warnings"] == [
+            f"c/c-1 client: the JWT of user soon in account APP expires in 10 days ({report['warnings'][0][-11:-1]})"
+        ], report
+        r = ferry("stream", "info", "ANY", "--cluster", "c", topology=tmp_path / "gone.yaml")
+        gone = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires["gone"]))
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+            f"error: cluster 'c': the user JWT in creds file {tmp_path / 'gone.creds'} expired on {gone}"
+        ], r.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 # -- last: no secret anywhere ---------------------------------------------------------------------

@@ -9,14 +9,16 @@ credential by where it lives (:attr:`Credentials.identity`), nor into anything k
 from __future__ import annotations
 
 import base64
+import json
 import ssl
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError
 from ferry.topology import Credentials, NatsCluster
 
-__all__ = ["client_options", "connect_fields", "tls_context", "tls_error"]
+__all__ = ["client_options", "connect_fields", "jwt_expired", "tls_context", "tls_error"]
 
 
 def tls_context(cluster: NatsCluster) -> ssl.SSLContext | None:
@@ -95,6 +97,21 @@ def _read_creds(creds: Credentials) -> tuple[str, bytes]:
     if len(found) != 2 or not all(found.values()):
         raise ConfigError(f"credentials: {creds.identity} is not a NATS .creds file (a user JWT and an nkey seed)")
     return found[b"BEGIN NATS USER JWT"].decode(), found[b"BEGIN USER NKEY SEED"]
+
+
+def jwt_expired(creds: Credentials | None) -> str | None:
+    """When the user JWT of a .creds file has expired: its expiry (``YYYY-MM-DD HH:MM UTC``), else
+    None. The server only says "authorization violation"; this says why."""
+    if creds is None or not creds.creds_file:
+        return None
+    try:
+        claims = creds.creds_file.read_bytes().split(b"BEGIN NATS USER JWT-----", 1)[1].split()[0].split(b".")[1]
+        exp = json.loads(base64.urlsafe_b64decode(claims + b"=" * (-len(claims) % 4))).get("exp")
+    except (IndexError, ValueError, OSError):
+        return None
+    if not exp or exp > time.time():
+        return None
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(exp))
 
 
 def tls_error(exc: BaseException) -> str | None:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import ssl
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,12 +29,12 @@ from typing import Any
 import httpx
 import nats
 from nats.aio.client import Client
-from nats.errors import AuthorizationError, NoServersError
+from nats.errors import AuthorizationError, NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.brokers.base import Answer, BrokerKind, Probe, expiry_warnings, mqtt_probe, timed_probe, tls_session
 from ferry.brokers.nats import auth
-from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
 from ferry.topology import NatsCluster
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
@@ -41,6 +42,7 @@ __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys
 # the permission violations each client was sent (the server sends no reply to a publish it refuses,
 # only this, and goes on): a request that times out tells from them that it was refused
 _DENIED: weakref.WeakKeyDictionary[Client, deque[str]] = weakref.WeakKeyDictionary()
+_WHO: weakref.WeakKeyDictionary[Client, str] = weakref.WeakKeyDictionary()  # "cluster 'east' as creds file ..."
 DENIALS: deque[str] = deque(maxlen=10)  # every client's, for a timeout that reaches the CLI without its client
 
 
@@ -105,14 +107,17 @@ async def connect(
         **options,
     }
     kwargs |= auth.client_options(cluster, creds)
+    who = f"cluster {name!r}" if name else f"NATS at {redact(servers[0])}"
     try:
         nc = await _first(nats.connect(**kwargs), refused_tls, timeout)
         _DENIED[nc] = denied
+        _WHO[nc] = f"{who} as {creds.identity if creds else 'no user'}"
         return nc
     except (TimeoutError, NoServersError, OSError, nats.errors.Error) as exc:
         cause = errors[-1] if errors else exc
-        who = f"cluster {name!r}" if name else "NATS"
         if _is_auth(exc) or any(_is_auth(e) for e in errors):
+            if expired := auth.jwt_expired(creds):
+                raise AuthError(f"{who}: the user JWT in {creds.identity} expired on {expired}") from None  # type: ignore[union-attr]
             raise AuthError(
                 f"{who}: authorization violation for {creds.identity if creds else 'no credentials'}"
             ) from None
@@ -144,9 +149,22 @@ async def session(cluster: NatsCluster, **kwargs: Any) -> AsyncIterator[Client]:
     nc = await connect(cluster, **kwargs)
     try:
         yield nc
+    except nats.js.errors.APIError as exc:
+        raise jetstream_off(nc, exc.err_code) or exc from None
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+_JETSTREAM_OFF = 10039  # "JetStream not enabled for account"
+
+
+def jetstream_off(nc: Client, err_code: int | None) -> ConfigError | None:
+    """The error to raise when a JetStream API answered `err_code` 10039: the account `nc` is in
+    has no JetStream (which account, and on which cluster), else None."""
+    if err_code != _JETSTREAM_OFF:
+        return None
+    return ConfigError(f"{_WHO.get(nc, 'NATS')}: JetStream is not enabled for this account (err_code 10039)")
 
 
 def refused(nc: Any, subject: str) -> AuthError | None:
@@ -214,19 +232,29 @@ async def monitor_get(
 
 
 async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
-    """Every endpoint of every broker: client (app account), system account, monitor, MQTT."""
+    """Every endpoint of every broker: client (app account), system account, monitor, MQTT; for
+    each the TLS session (version, certificate, expiry) and who the server says ferry is."""
+    ctx = auth.tls_context(cluster)
+    server_name = cluster.tls.server_name if cluster.tls else None
 
-    async def client(url: str, system: bool) -> str:
+    async def client(url: str, system: bool) -> Answer:
         async with session(
             cluster, name=name, urls=[url], system=system, timeout=3, max_reconnect_attempts=1, allow_reconnect=False
         ) as nc:
             info = nc._server_info
-            return f"{info.get('server_name', '?')} v{info.get('version', '?')}"
+            identity, warnings = await _identity(nc)
+        tls = None
+        if ctx or info.get("tls_required"):
+            tls = await tls_session(url, ctx or ssl.create_default_context(), server_name, clear_first_line=True)
+        return Answer(f"{info.get('server_name', '?')} v{info.get('version', '?')}", tls, identity, warnings)
 
-    async def monitor(url: str) -> str:
-        varz = await monitor_get(url, "varz", timeout=3, tls=auth.tls_context(cluster))
+    async def monitor(url: str) -> Answer:
+        varz = await monitor_get(url, "varz", timeout=3, tls=ctx)
         js = "JetStream on" if varz.get("jetstream", {}).get("config") else "JetStream off"
-        return f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}"
+        answer = Answer(f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}")
+        if url.startswith("https:"):
+            answer.tls = await tls_session(url, ctx or ssl.create_default_context(), server_name)
+        return answer
 
     checks = []
     for b in cluster.brokers:
@@ -240,6 +268,24 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             user, pw = (creds.user, creds.password()) if creds and creds.user else (None, None)
             checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
     return list(await asyncio.gather(*checks))
+
+
+async def _identity(nc: Client) -> tuple[str | None, list[str]]:
+    """Who the server says `nc` is ("user ferry in account APP", from ``$SYS.REQ.USER.INFO``,
+    nats-server 2.10 and later; None where it does not answer), and a warning when the user's
+    JWT expires within a month."""
+    try:
+        data = (await sys_request(nc, "$SYS.REQ.USER.INFO", timeout=2)).get("data") or {}
+    except (NoRespondersError, FerryError):
+        return None, []
+    user = data.get("user_name") or data.get("user") or "?"
+    identity = f"user {user} in account {data.get('account_name') or data.get('account') or '?'}"
+    expires = data.get("expires")  # nanoseconds left, for a user whose JWT expires
+    if not expires:
+        return identity, []
+    left = int(expires / 86_400e9)
+    until = time.strftime("%Y-%m-%d", time.gmtime(time.time() + expires / 1e9))
+    return identity, expiry_warnings(f"the JWT of {identity}", left, until)
 
 
 async def stream_add(

@@ -119,6 +119,8 @@ async def api(nc: Client, subject: str, payload: dict | None = None, timeout: fl
         code = err.get("err_code", 0)
         if code == 10059:
             raise NotFound(f"stream {subject.rsplit('.', 1)[-1]!r} not found")
+        if off := bnats.jetstream_off(nc, code):
+            raise off
         raise FerryError(f"{subject}: {err.get('description', err)} (err_code {code})", err_code=code)
     return resp
 

@@ -24,7 +24,7 @@ import aiormq
 import httpx
 from pamqp import constants as _pamqp_constants
 
-from ferry.brokers.base import BrokerKind, Probe, mqtt_probe, timed_probe
+from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, Forbidden, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster
 
@@ -187,10 +187,14 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         await conn.close()
         return f"RabbitMQ {props.get('version', '?')}"
 
-    async def management(b: RabbitBroker) -> str:
+    async def management(b: RabbitBroker) -> Answer:
         async with Management(cluster, b, name=b.name, timeout=3) as m:
             ov = await m.get("/overview")
-        return f"{ov.get('node')} cluster {ov.get('cluster_name')}"
+            me = await m.get("/whoami")
+        tags = me.get("tags") or []
+        tags = ",".join(tags) if isinstance(tags, list) else str(tags)
+        identity = f"user {me.get('name')} (tags {tags or '-'})"
+        return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", identity=identity)
 
     checks = []
     for b in cluster.brokers:
