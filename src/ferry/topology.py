@@ -240,17 +240,42 @@ def _unique_brokers(brokers: list[Any]) -> list[Any]:
 
 
 class NatsCluster(_Model):
+    """A NATS cluster. ``credentials`` are ferry's user in the default account (where streams
+    named without an account live); ``accounts`` names more: ``{SALES: {creds_file: ...}}``, a
+    user in each other account whose streams ferry may work on (``jetstream://east/S?account=SALES``,
+    ``--account SALES``)."""
+
     kind: Literal["nats"]
     brokers: list[NatsBroker]
     credentials: Credentials | None = None
     system_credentials: Credentials | None = None
+    accounts: dict[str, Credentials] = Field(default_factory=dict)
     tls: Tls | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
 
+    @field_validator("accounts")
+    @classmethod
+    def _account_names(cls, accounts: dict[str, Credentials]) -> dict[str, Credentials]:
+        for name in accounts:
+            if not name or any(c.isspace() or c in "?&=/" for c in name):
+                raise ValueError(f"bad account name {name!r}")
+        return accounts
+
     @property
     def urls(self) -> list[str]:
         return [b.url for b in self.brokers]
+
+    def in_account(self, account: str | None, cluster_name: str = "") -> NatsCluster:
+        """This cluster as ferry's user in `account` sees it (None: the default account's
+        ``credentials``); one line naming the accounts the topology has when it has not this one."""
+        if account is None:
+            return self
+        if account not in self.accounts:
+            known = ", ".join(sorted(self.accounts)) or "none"
+            where = f"cluster {cluster_name!r}"
+            raise ConfigError(f"{where} has no account {account!r} in the topology (accounts: {known})")
+        return self.model_copy(update={"credentials": self.accounts[account]})
 
 
 class ErlangAccess(_Model):
@@ -363,11 +388,12 @@ class Topology(_Model):
         known = ", ".join(sorted(c for _, c, _ in self.clusters())) or "none"
         raise NotFound(f"unknown cluster {name!r} (known: {known})", cluster=name)
 
-    def nats(self, name: str) -> NatsCluster:
+    def nats(self, name: str, account: str | None = None) -> NatsCluster:
+        """NATS cluster `name`, as ferry's user in `account` (None: the default account)."""
         cluster = self.cluster(name)
         if not isinstance(cluster, NatsCluster):
             raise ConfigError(f"cluster {name!r} is {cluster.kind}, not nats")
-        return cluster
+        return cluster.in_account(account, name)
 
     def rabbitmq(self, name: str) -> RabbitCluster:
         cluster = self.cluster(name)
@@ -390,6 +416,7 @@ class Topology(_Model):
             creds: list[tuple[str, Credentials | Tls | None]] = [("credentials", cluster.credentials)]
             if isinstance(cluster, NatsCluster):
                 creds += [("system_credentials", cluster.system_credentials), ("tls", cluster.tls)]
+                creds += [(f"accounts.{a}", c) for a, c in cluster.accounts.items()]
             for key, cred in creds:
                 problem = cred.missing() if cred else None
                 if problem:

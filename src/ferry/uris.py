@@ -1,6 +1,7 @@
 """Endpoint URIs for `ferry copy` and friends.
 
-- ``jetstream://CLUSTER/STREAM[?subject=FILTER&start_seq=N&end_seq=M]``
+- ``jetstream://CLUSTER/STREAM[?subject=FILTER&start_seq=N&end_seq=M&account=NAME]``: ``account``
+  names one of the cluster's ``accounts`` in the topology (default: the cluster's ``credentials``)
 - ``rabbitmq://CLUSTER/VHOST/QUEUE``: VHOST and QUEUE URL-encoded (``%2F`` is
   the default vhost ``/``); QUEUE ``*`` is every queue of the vhost (``orders-*``: those matching), VHOST ``*``
   every vhost. As a destination, QUEUE may be omitted or ``*`` (same names as
@@ -21,7 +22,7 @@ from ferry.subjects import stream_name_problem
 __all__ = ["Endpoint", "parse_uri"]
 
 _KNOWN_QUERY = {
-    "jetstream": {"subject", "start_seq", "end_seq"},
+    "jetstream": {"subject", "start_seq", "end_seq", "account"},
     "rabbitmq": {"exchange"},
     "parquet": set(),
 }
@@ -40,6 +41,7 @@ class Endpoint:
     queue: str | None = None  # None or "*" = every queue / same names
     exchange: str | None = None
     path: str | None = None
+    account: str | None = None  # a NATS account of the cluster's in the topology (None: the default)
 
     def __str__(self) -> str:
         return self.uri
@@ -85,6 +87,7 @@ def parse_uri(uri: str) -> Endpoint:
             subject=query.get("subject") or None,
             start_seq=_int(uri, query, "start_seq"),
             end_seq=_int(uri, query, "end_seq"),
+            account=query.get("account") or None,
         )
     # rabbitmq
     if not segments or not segments[0] or len(segments) > 2:

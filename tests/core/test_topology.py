@@ -95,6 +95,12 @@ def _error(text: str) -> str:
             "t.yaml:7: sites.lab.clusters.east.tls: a client certificate needs both cert_file and key_file",
         ),
         ("    kind: nats\n", "    kind: nats\n        tls: {insecure: true}\n", "tls.insecure: unknown key"),
+        (
+            "    kind: nats\n",
+            "    kind: nats\n        accounts: {'A B': {token_env: T}}\n",
+            "t.yaml:7: sites.lab.clusters.east.accounts: bad account name 'A B'",
+        ),
+        ("    kind: nats\n", "    kind: nats\n        accounts: {SALES: {}}\n", "clusters.east.accounts.SALES"),
     ],
 )
 def test_bad_files_name_line_and_key(old: str, new: str, expected: str) -> None:
@@ -193,6 +199,8 @@ def test_an_ipv6_broker_keeps_its_brackets_in_a_shovel_uri(monkeypatch: pytest.M
         ("jetstream://east/ORDERS", "jetstream://east/ORDERS", True),
         ("jetstream://east/ORDERS?subject=orders.a", "jetstream://east/ORDERS", True),
         ("jetstream://east/ORDERS", "jetstream://west/ORDERS", False),
+        ("jetstream://east/ORDERS?account=SALES", "jetstream://east/ORDERS", False),  # another account's
+        ("jetstream://east/ORDERS?account=SALES", "jetstream://east/ORDERS?account=SALES", True),
         ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F/q0", True),
         ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F", True),  # the same names
         ("rabbitmq://ltm/%2F/q0", "rabbitmq://ltm/%2F?exchange=x", False),  # an exchange routes anywhere
@@ -228,3 +236,20 @@ def test_unreadable_nats_secrets_and_tls_files_are_named(tmp_path, monkeypatch: 
     (tmp_path / "ca.pem").write_text("not a certificate")
     with pytest.raises(ConfigError, match=r"^tls.ca_file .*ca.pem: not a PEM certificate"):
         parse_topology(text).nats("east").tls.context()  # type: ignore[union-attr]
+
+
+def test_a_cluster_seen_from_another_account_has_that_accounts_credentials(tmp_path) -> None:
+    text = VALID.replace(
+        "    kind: nats\n", f"    kind: nats\n        accounts: {{SALES: {{creds_file: {tmp_path / 's.creds'}}}}}\n"
+    )
+    topo = parse_topology(text)
+    sales = topo.nats("east", "SALES")
+    assert sales.credentials.identity == f"creds file {tmp_path / 's.creds'}"  # type: ignore[union-attr]
+    assert sales.brokers == topo.nats("east").brokers and topo.nats("east").credentials.user == "app"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"^cluster 'east' has no account 'NOPE' in the topology \(accounts: SALES"):
+        topo.nats("east", "NOPE")
+    assert f"sites.lab.clusters.east.accounts.SALES: creds file {tmp_path / 's.creds'} does not exist" in (
+        topo.credential_problems()
+    )
+    assert parse_uri("jetstream://east/ORDERS?account=SALES").account == "SALES"
+    assert parse_uri("jetstream://east/ORDERS").account is None

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.cli.options import PLAIN, JsonOpt, TopologyOpt, open_topology, run, stream_name_arg, via_cluster
+from ferry.cli.options import PLAIN, AccountOpt, JsonOpt, TopologyOpt, open_topology, run, stream_name_arg, via_cluster
 from ferry.cli.render import err, event_line, json_event, out, print_json
 
 # -- move ------------------------------------------------------------------------------------
@@ -30,6 +30,7 @@ def move_cmd(
     via: Annotated[
         str | None, typer.Option("--via", help="Topology cluster to connect through (default: the first NATS one).")
     ] = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -39,7 +40,7 @@ def move_cmd(
     from ferry.jobs.shared import signals
 
     topo = open_topology(topology)
-    cluster = topo.nats(via_cluster(topo, via))
+    cluster = topo.nats(via_cluster(topo, via), account)
     if status:
         if not stream:
             raise UsageError("--status needs the STREAM")
@@ -149,6 +150,7 @@ def repair_consumers_cmd(
     stream: Annotated[str, typer.Argument(help="Stream whose durable consumers to check.", callback=stream_name_arg)],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be recreated; change nothing.")] = False,
     via: Annotated[str | None, typer.Option("--via", help="Topology cluster to connect through.")] = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -156,7 +158,7 @@ def repair_consumers_cmd(
     from ferry.jobs import move as mv
 
     topo = open_topology(topology)
-    cluster = topo.nats(via_cluster(topo, via))
+    cluster = topo.nats(via_cluster(topo, via), account)
     fixes = run(mv.repair_consumers(cluster, stream, dry_run=dry_run))
     if as_json:
         print_json(fixes)

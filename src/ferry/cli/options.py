@@ -24,6 +24,10 @@ TopologyOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+AccountOpt = Annotated[
+    str | None,
+    typer.Option("--account", help="NATS account: one of the cluster's `accounts` (default: its credentials)."),
+]
 DirOpt = Annotated[Path | None, typer.Option("--dir", help="Lab directory (default: $FERRY_LAB_DIR or ./.ferry-lab).")]
 
 

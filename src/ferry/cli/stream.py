@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.cli.options import PLAIN, ClusterOpt, JsonOpt, StreamArg, TopologyOpt, open_topology, run
+from ferry.cli.options import PLAIN, AccountOpt, ClusterOpt, JsonOpt, StreamArg, TopologyOpt, open_topology, run
 from ferry.cli.render import err, out, print_json
 
 stream_app = typer.Typer(**PLAIN, help="Create, inspect and delete JetStream streams.", no_args_is_help=True)
@@ -20,27 +20,31 @@ def stream_add(
     subjects: Annotated[list[str], typer.Option("--subject", "-s", metavar="SUBJECT", help="Subject (repeat).")],
     replicas: Annotated[int, typer.Option(min=1, max=5)] = 3,
     placement: Annotated[str | None, typer.Option(help="Cluster to place it in (default: --cluster).")] = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a stream placed in a cluster."""
     from ferry.brokers import nats as bnats
 
-    topo = open_topology(topology)
-    info = run(
-        bnats.stream_add(
-            topo.nats(cluster), name, subjects, replicas=replicas, placement=placement or cluster, cluster_name=cluster
-        )
-    )
+    nats_cluster = open_topology(topology).nats(cluster, account)
+    where = placement or cluster
+    info = run(bnats.stream_add(nats_cluster, name, subjects, replicas=replicas, placement=where, cluster_name=cluster))
     _print_stream(info, as_json)
 
 
 @stream_app.command("info")
-def stream_info(name: StreamArg, cluster: ClusterOpt, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+def stream_info(
+    name: StreamArg,
+    cluster: ClusterOpt,
+    account: AccountOpt = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Placement, leader, peers and state of a stream."""
     from ferry.brokers import nats as bnats
 
-    _print_stream(run(bnats.stream_info(open_topology(topology).nats(cluster), name, cluster)), as_json)
+    _print_stream(run(bnats.stream_info(open_topology(topology).nats(cluster, account), name, cluster)), as_json)
 
 
 @stream_app.command("rm")
@@ -48,6 +52,7 @@ def stream_rm(
     name: StreamArg,
     cluster: ClusterOpt,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -55,7 +60,7 @@ def stream_rm(
     from ferry.brokers import nats as bnats
     from ferry.errors import UsageError
 
-    nats_cluster = open_topology(topology).nats(cluster)
+    nats_cluster = open_topology(topology).nats(cluster, account)
     info = run(bnats.stream_info(nats_cluster, name, cluster))
     if not yes:
         what = f"stream {name} and its {info['messages']:,} messages"

@@ -193,6 +193,8 @@ def topology_cluster(
             "tls": secure.client_tls(),
             "credentials": {"creds_file": str(secure.creds["APP"])},
             "system_credentials": {"creds_file": str(secure.creds[SYS_ACCOUNT])},
+            # the other application accounts, for streams ferry works on there (?account=SALES)
+            "accounts": {a: {"creds_file": str(p)} for a, p in secure.creds.items() if a not in ("APP", SYS_ACCOUNT)},
             "brokers": [
                 {"name": s.name, "url": f"tls://127.0.0.1:{s.client}", "monitor_url": s.monitor_url}
                 for s in servers

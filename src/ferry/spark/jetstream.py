@@ -6,7 +6,8 @@ Options (all strings):
 
 - ``cluster``: a cluster name from the topology (with ``topology`` = file path), or
   the cluster as JSON (what ferry's jobs pass). Credentials are references
-  (environment variable or file) resolved where the task runs.
+  (environment variable or file) resolved where the task runs. ``account``: one of the
+  cluster's ``accounts`` in the topology (default: its ``credentials``).
 - read: ``stream`` (one name, or several comma-separated for streaming),
   ``subject`` (filter, wildcards allowed), ``start_seq`` / ``end_seq``
   (inclusive; default: the whole stream as it is when the job is planned),

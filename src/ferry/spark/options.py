@@ -22,7 +22,8 @@ def cluster_json(options: dict[str, str], kind: type[T]) -> str:
     """The cluster a data source talks to, as JSON (credential *references* only).
 
     Options: ``cluster`` is either that JSON (what ferry's jobs pass) or a cluster
-    name resolved through ``topology`` (a file path; default: the usual lookup).
+    name resolved through ``topology`` (a file path; default: the usual lookup), as ferry's
+    user in ``account`` (NATS: one of the cluster's ``accounts``; default: its credentials).
     """
     value = options.get("cluster")
     if not value:
@@ -32,6 +33,8 @@ def cluster_json(options: dict[str, str], kind: type[T]) -> str:
     cluster = load_topology(options.get("topology")).cluster(value)
     if not isinstance(cluster, kind):
         raise ConfigError(f"cluster {value!r} is {cluster.kind}, not {kind.__name__}")
+    if isinstance(cluster, NatsCluster):
+        cluster = cluster.in_account(options.get("account") or None, value)
     return cluster.model_dump_json()
 
 

@@ -91,6 +91,38 @@ def test_move_under_load_on_the_secure_lab_loses_nothing(secure: lab.LabState, t
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
 
 
+@pytest.mark.spark
+def test_a_stream_of_the_second_account_is_moved_under_load_copied_and_audited(
+    secure: lab.LabState, tmp_path: Path, spark: Any
+) -> None:
+    """SALES, the lab's second application account, named in the topology's `accounts`: its stream
+    is made, loaded, moved under load and audited there, and copied into APP under the same name."""
+    topology = secure.path / "topology.yaml"
+    add = ferry("stream", "add", "ACCOUNTS", "--cluster", "east", "--account", "SALES", "--subject", "accounts.>",
+                topology=topology)  # fmt: skip
+    assert add.returncode == 0, add.stderr
+    other = ferry("stream", "info", "ACCOUNTS", "--cluster", "east", topology=topology)  # APP, the default
+    assert other.returncode != 0 and other.stderr.strip() == "error: stream 'ACCOUNTS' not found", other.stderr
+    nope = ferry("stream", "info", "ACCOUNTS", "--cluster", "east", "--account", "NOPE", topology=topology)
+    assert nope.stderr.strip() == "error: cluster 'east' has no account 'NOPE' in the topology (accounts: SALES)"
+    sales = "jetstream://east?account=SALES"
+    load = start_load(topology, sales, "accounts.{n}", tmp_path / "ledger", 8, "--producers", "2")
+    time.sleep(2)
+    r = ferry("move", "ACCOUNTS", "--to", "west", "--account", "SALES", "--json", topology=topology)
+    finish(load)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["outcome"] == "moved" and result["verify"]["ok"] and result["cluster"] == "west", result
+    moved = "jetstream://west/ACCOUNTS?account=SALES"
+    t = judge(spark, topology, tmp_path / "ledger", moved, tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0 and t["tier_messages"] > 1000, t
+    copied = ferry("copy", moved, "jetstream://west/ACCOUNTS", "--create", "--json", topology=topology)
+    assert copied.returncode == 0, copied.stderr[-2000:]  # the same name, in another account: not itself
+    assert json.loads(copied.stdout)["stored"] == t["tier_messages"]
+    held = held_ids(topology, "west", "ACCOUNTS")
+    assert len(held) == len(set(held)) == t["tier_messages"] and acked_ids(tmp_path / "ledger") <= set(held)
+
+
 def test_a_spark_copy_on_the_secure_lab_copies_every_message_once(secure: lab.LabState, tmp_path: Path) -> None:
     """The data plane's own NATS client, in Spark's executors, over TLS with a .creds file."""
     topology = secure.path / "topology.yaml"

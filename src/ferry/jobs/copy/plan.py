@@ -80,7 +80,8 @@ def _into_itself(source: Endpoint, destination: Endpoint) -> bool:
     if source.kind != destination.kind:
         return False
     if source.kind == "jetstream":
-        return (source.cluster, source.stream) == (destination.cluster, destination.stream)
+        where = ("cluster", "account", "stream")
+        return all(getattr(source, k) == getattr(destination, k) for k in where)
     if source.kind == "rabbitmq":
         same_queue = destination.queue in (None, "*", source.queue) and not destination.exchange
         return same_queue and (source.cluster, source.vhost) == (destination.cluster, destination.vhost)
@@ -126,7 +127,7 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
     src, dst = plan.source, plan.destination
     st: dict[str, int] = {}
     if src.kind == "jetstream":
-        cluster = topology.nats(src.cluster or "")
+        cluster = topology.nats(src.cluster or "", src.account)
         async with bnats.session(cluster, name=src.cluster or "") as nc:
             states = await stream_states(cluster, [src.stream or ""], src.subject, src.cluster or "", nc)
             st = states[src.stream or ""]
@@ -251,7 +252,7 @@ async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, An
 
 async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
     dst, opts = plan.destination, plan.options
-    cluster = topology.nats(dst.cluster or "")
+    cluster = topology.nats(dst.cluster or "", dst.account)
     async with bnats.session(cluster, name=dst.cluster or "") as nc:
         jsm = nc.jsm()
         try:
@@ -320,7 +321,7 @@ async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> Any:
     src, dst = plan.source, plan.destination
     if src.kind != "jetstream":
         raise UsageError("--create for a stream needs a JetStream source to copy its configuration from")
-    async with bnats.session(topology.nats(src.cluster or ""), name=src.cluster or "") as snc:
+    async with bnats.session(topology.nats(src.cluster or "", src.account), name=src.cluster or "") as snc:
         config = (await snc.jsm().stream_info(src.stream or "")).config
     config.name = dst.stream
     config.subjects = [plan.options.subject_prefix + s for s in (config.subjects or [])]

@@ -91,7 +91,7 @@ def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int
         return {
             "kind": "jetstream",
             "cfg": jetstream_writer.WriteConfig(
-                cluster=topology.nats(dst.cluster or "").model_dump_json(),
+                cluster=topology.nats(dst.cluster or "", dst.account).model_dump_json(),
                 name=dst.cluster or "",
                 stream=dst.stream,
                 window=plan.options.window,
@@ -188,7 +188,7 @@ def _source_cfg(topology: Topology, plan: CopyPlan) -> ReadConfig:
     """How the copy reads its source stream: the range asked for, from the resume point on."""
     src = plan.source
     return ReadConfig(
-        cluster=topology.nats(src.cluster or "").model_dump_json(),
+        cluster=topology.nats(src.cluster or "", src.account).model_dump_json(),
         name=src.cluster or "",
         streams=(src.stream or "",),
         subject=src.subject,
@@ -217,7 +217,9 @@ def _copied_seqs(topology: Topology, plan: CopyPlan, spark: Any) -> set[int]:
     dst = plan.destination
     source_name = f"{plan.source.cluster}/{plan.source.stream}"
     cfg = ReadConfig(
-        cluster=topology.nats(dst.cluster or "").model_dump_json(), name=dst.cluster or "", streams=(dst.stream or "",)
+        cluster=topology.nats(dst.cluster or "", dst.account).model_dump_json(),
+        name=dst.cluster or "",
+        streams=(dst.stream or "",),
     )
     held = (
         stream_frame(spark, cfg)
@@ -239,7 +241,7 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
     elif dst.kind == "jetstream":
         sink = {
             "kind": "jetstream",
-            "cluster": topology.nats(dst.cluster or "").model_dump_json(),
+            "cluster": topology.nats(dst.cluster or "", dst.account).model_dump_json(),
             "name": dst.cluster,
             "stream": dst.stream,
             "leader": plan.leader,
@@ -286,7 +288,7 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
     src, dst = plan.source, plan.destination
     async with contextlib.AsyncExitStack() as stack:
         if dst.kind == "jetstream":
-            cluster = topology.nats(dst.cluster or "")
+            cluster = topology.nats(dst.cluster or "", dst.account)
             nc = await stack.enter_async_context(bnats.session(cluster, name=dst.cluster or ""))
 
             async def count() -> int:
@@ -306,7 +308,7 @@ async def _observe(topology: Topology, plan: CopyPlan, progress: Callable[[int],
         elif src.kind == "jetstream":  # into Parquet or RabbitMQ: count what the copy's readers got
             from ferry.brokers.nats.jsapi import consumers
 
-            cluster = topology.nats(src.cluster or "")
+            cluster = topology.nats(src.cluster or "", src.account)
             nc = await stack.enter_async_context(bnats.session(cluster, name=src.cluster or ""))
             others = set(await consumers(nc, src.stream or ""))
             delivered: dict[str, int] = {}  # reader consumer -> messages it delivered (kept once it is gone)

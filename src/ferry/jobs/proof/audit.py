@@ -100,7 +100,7 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
                 f"tier {value!r}: give a snapshot directory or a jetstream:// URI "
                 "(snapshot queues first with `ferry snapshot`)"
             )
-        cluster = topology.nats(src.cluster)
+        cluster = topology.nats(src.cluster, src.account)
         states = asyncio.run(stream_states(cluster, [src.stream or ""], src.subject, src.cluster or ""))
         rows += states[src.stream or ""]["messages"]
     return rows
@@ -119,7 +119,7 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
 
     src = parse_uri(value)
     cfg = ReadConfig(
-        cluster=topology.nats(src.cluster).model_dump_json(),
+        cluster=topology.nats(src.cluster, src.account).model_dump_json(),
         name=src.cluster or "",
         streams=(src.stream or "",),
         subject=src.subject,

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,7 +42,7 @@ from ferry.brokers.nats.publish import Ack, Pacer, Publisher
 from ferry.brokers.nats.wire import Wire
 from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound, UsageError
-from ferry.topology import Topology
+from ferry.topology import NatsCluster, Topology
 
 __all__ = ["LEDGER_SCHEMA", "Ledger", "LoadOptions", "LoadSummary", "payload_for", "run_load"]
 
@@ -155,14 +155,18 @@ class Ledger:
         self.rows = []
 
 
-def _parse_target(target: str) -> tuple[str, str, str]:
+def _parse_target(target: str) -> tuple[str, str, str, str | None]:
+    """kind, cluster, vhost (RabbitMQ) and account (NATS: ``?account=NAME``) of a load's target."""
     parts = urlsplit(target)
     if parts.scheme not in ("nats", "jetstream", "rabbitmq") or not parts.netloc:
         raise ConfigError(f"{target!r}: target must be nats://CLUSTER, jetstream://CLUSTER or rabbitmq://CLUSTER/VHOST")
     vhost = unquote(parts.path[1:]) if parts.path and parts.path != "/" else "/"
     if parts.scheme != "rabbitmq" and vhost != "/":
         raise ConfigError(f"{target!r}: {parts.scheme}://CLUSTER takes no path (the subject says where messages go)")
-    return parts.scheme, parts.netloc, vhost
+    query = parse_qs(parts.query)
+    if set(query) - ({"account"} if parts.scheme != "rabbitmq" else set()):
+        raise ConfigError(f"{target!r}: unknown option {sorted(query)[0]!r} (known: account, for NATS)")
+    return parts.scheme, parts.netloc, vhost, (query.get("account") or [None])[-1]
 
 
 async def run_load(
@@ -173,16 +177,16 @@ async def run_load(
 ) -> LoadSummary:
     """Publish until count, duration or `stop`; every message ends up in the ledger."""
     opts.validate()
-    kind, cluster, vhost = _parse_target(opts.target)
+    kind, cluster, vhost, account = _parse_target(opts.target)
     if kind == "rabbitmq":
         topology.rabbitmq(cluster)
     else:
-        topology.nats(cluster)
+        topology.nats(cluster, account)
         from ferry.subjects import tokens
 
         tokens(opts.subject.replace("{n}", "0"), literal=True)  # a publish needs a literal subject
         if kind == "jetstream":
-            await _a_stream_takes(topology, cluster, opts.subject.replace("{n}", "0"))
+            await _a_stream_takes(topology, cluster, account, opts.subject.replace("{n}", "0"))
     stop = stop or asyncio.Event()
     ledger = Ledger(opts.ledger)
     summary = LoadSummary(opts.run, str(opts.ledger))
@@ -205,7 +209,7 @@ async def run_load(
         nonlocal refused
         quota = per_producer if per_producer is None else min(per_producer, opts.count - p * per_producer)  # type: ignore[operator]
         pacer = Pacer(opts.rate / opts.producers if opts.rate else None)
-        send = await _sender(kind, topology, cluster, vhost, opts, record, inflight)
+        send = await _sender(kind, topology, cluster, vhost, account, opts, record, inflight)
         try:
             seq = 0
             while quota is None or seq < quota:
@@ -266,14 +270,14 @@ async def run_load(
     return summary
 
 
-async def _a_stream_takes(topology: Topology, cluster: str, subject: str) -> None:
+async def _a_stream_takes(topology: Topology, cluster: str, account: str | None, subject: str) -> None:
     """Refuse a JetStream load whose subject no stream takes: every publish would fail (after
     retries, a minute each) rather than at once."""
     from nats.js.errors import NotFoundError
 
     from ferry.brokers import nats as bnats
 
-    async with bnats.session(topology.nats(cluster), name=cluster) as nc:
+    async with bnats.session(topology.nats(cluster, account), name=cluster) as nc:
         try:
             await nc.jsm().find_stream_name_by_subject(subject)
         except NotFoundError:
@@ -297,6 +301,7 @@ async def _sender(
     topology: Topology,
     cluster: str,
     vhost: str,
+    account: str | None,
     opts: LoadOptions,
     record: Callable[[dict[str, Any]], None],
     inflight: list[int],
@@ -304,7 +309,7 @@ async def _sender(
     if kind == "rabbitmq":
         sender: _Sender = _RabbitSender(topology, cluster, vhost, opts, record, inflight)
     else:
-        sender = _NatsSender(topology, cluster, kind == "jetstream", opts, record, inflight)
+        sender = _NatsSender(topology.nats(cluster, account), cluster, kind == "jetstream", opts, record, inflight)
     await sender.open()  # type: ignore[attr-defined]
     return sender
 
@@ -312,19 +317,19 @@ async def _sender(
 class _NatsSender(_Sender):
     def __init__(
         self,
-        topology: Topology,
+        nats: NatsCluster,
         cluster: str,
         js: bool,
         opts: LoadOptions,
         record: Callable[[dict[str, Any]], None],
         inflight: list[int],
     ) -> None:
-        self.topology, self.cluster, self.js, self.opts = topology, cluster, js, opts
+        self.nats, self.cluster, self.js, self.opts = nats, cluster, js, opts
         self.record, self.inflight = record, inflight
 
     async def open(self) -> None:
         self.nc = await Wire.open(
-            self.topology.nats(self.cluster),
+            self.nats,
             self.cluster,
             f"ferry-load-{self.opts.run}",
             urls=[self.opts.url] if self.opts.url else None,
