@@ -9,7 +9,7 @@ Two labs side by side: `supercluster` (users and passwords, plaintext) and `supe
   at 3,500 msg/s core and 3,500 msg/s JetStream (bench/move.py's case); lost counted by Ferry-Id.
 
 Target: secure >= 0.8x plaintext copy throughput; move 0 lost on both. (RabbitMQ over TLS: not
-supported yet.)
+measured here yet.)
 
     .venv/bin/python -m bench.secure            # 100,000 messages copied, 3 rounds
     .venv/bin/python -m bench.secure --quick    # 20,000, 1 round

@@ -70,11 +70,21 @@ def secure_supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
     """The supercluster in operator mode with TLS everywhere (a lab root of its own: it runs beside
     the plain one)."""
     root = lab_dir / "secure"
-    root.mkdir(mode=0o755)
+    root.mkdir(mode=0o755, exist_ok=True)
     yield from _profile("supercluster", root, secure=True)
 
 
+@pytest.fixture(scope="session")
+def secure_rabbit_dr(lab_dir: Path) -> Iterator[lab.LabState]:
+    """rabbit-dr with AMQP and the management API over TLS only, client certificates required (in
+    the secure lab root: its topology.yaml holds both secure profiles when both run)."""
+    root = lab_dir / "secure"
+    root.mkdir(mode=0o755, exist_ok=True)
+    yield from _profile("rabbit-dr", root, secure=True)
+
+
 LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
+LAB_FIXTURES |= {"secure_rabbit_dr"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -305,12 +305,24 @@ class ErlangAccess(_Model):
 
 
 class RabbitCluster(_Model):
+    """A RabbitMQ cluster. ``tls`` verifies its ``amqps://`` and ``https://`` endpoints against a
+    private CA and shows a client certificate (the servers are verified against the host of each
+    URL: ``server_name`` is for NATS clusters)."""
+
     kind: Literal["rabbitmq"]
     brokers: list[RabbitBroker]
     credentials: Credentials | None = None
+    tls: Tls | None = None
     erlang: ErlangAccess | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
+
+    @field_validator("tls")
+    @classmethod
+    def _no_server_name(cls, v: Tls | None) -> Tls | None:
+        if v and v.server_name:
+            raise ValueError("server_name is for NATS clusters; RabbitMQ brokers are verified against their URL's host")
+        return v
 
     @field_validator("credentials")
     @classmethod
@@ -417,6 +429,8 @@ class Topology(_Model):
             if isinstance(cluster, NatsCluster):
                 creds += [("system_credentials", cluster.system_credentials), ("tls", cluster.tls)]
                 creds += [(f"accounts.{a}", c) for a, c in cluster.accounts.items()]
+            else:
+                creds += [("tls", cluster.tls)]
             for key, cred in creds:
                 problem = cred.missing() if cred else None
                 if problem:

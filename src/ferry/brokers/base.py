@@ -197,3 +197,26 @@ class WriteCounts:
         import pyarrow as pa
 
         return pa.RecordBatch.from_pylist([self.as_dict()], self.arrow_schema())
+
+
+def tls_error(exc: BaseException) -> str | None:
+    """One line for a failed TLS handshake ("TLS: certificate verify failed: ..."), else None."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        reason = str(exc.reason or exc).replace("_", " ").lower()
+        if "certificate required" in reason:
+            return f"TLS: the server requires a client certificate (tls.cert_file and tls.key_file; {reason})"
+        return f"TLS: {reason}"
+    return None
+
+
+def tls_cause(exc: BaseException | None, depth: int = 0) -> str | None:
+    """:func:`tls_error` of `exc` or of what caused it (libraries wrap the SSL error, or carry it
+    in their arguments), else None."""
+    if exc is None or depth > 6:
+        return None
+    inner = [a for a in exc.args if isinstance(a, BaseException)]
+    return tls_error(exc) or next(
+        filter(None, (tls_cause(e, depth + 1) for e in (exc.__cause__ or exc.__context__, *inner))), None
+    )

@@ -30,8 +30,8 @@ def lab_up(
         bool,
         typer.Option(
             "--secure",
-            help="NATS in operator mode (accounts APP, SALES, SYS; .creds files) with TLS on every port and "
-            "client certificates required (supercluster, sites).",
+            help="TLS on every port with client certificates required, the lab's own CA; NATS in operator "
+            "mode (accounts APP, SALES, SYS; .creds files), RabbitMQ with TLS-only AMQP and management.",
         ),
     ] = False,
 ) -> None:

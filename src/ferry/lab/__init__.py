@@ -58,7 +58,7 @@ class LabState(BaseModel):
     rabbit: list[dict] = []
     procs: list[Proc] = []
     lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats or amqp, mqtt} URLs
-    secure: bool = False  # NATS in operator mode with TLS on every port (lab.secure)
+    secure: bool = False  # TLS on every port; NATS in operator mode (lab.secure)
 
     @property
     def path(self) -> Path:
@@ -110,13 +110,14 @@ def up(
     haproxy: bool = False,
     secure: bool = False,
 ) -> LabState:
-    """Start a profile (or restart its dead servers) and wait until it is healthy. `secure`: NATS
-    in operator mode (accounts APP, SALES and SYS, users with .creds files) with TLS on every port
-    and client certificates required, as production deployments run it."""
+    """Start a profile (or restart its dead servers) and wait until it is healthy. `secure`: TLS on
+    every port with client certificates required, as production deployments run it: NATS in
+    operator mode (accounts APP, SALES and SYS, users with .creds files), RabbitMQ with TLS-only
+    AMQP and management listeners."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
-    if secure and (haproxy or profile not in ("supercluster", "sites")):
-        raise ConfigError("--secure is for the NATS profiles (supercluster, sites) without --haproxy, for now")
+    if secure and haproxy:
+        raise ConfigError("--secure does not take --haproxy yet")
     root = root or lab_root()
     state = load_state(profile, root)
     if state and haproxy and not state.lb:
@@ -199,14 +200,14 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
             layout = {"art": ["art"], "pc1": ["pc1"], "ltm": ["ltm"]}
         else:
             layout = {"rabbits": ["rabbits-1", "rabbits-2", "rabbits-3"]}
-        nodes = lab_rabbit.plan_nodes(layout)
+        nodes = lab_rabbit.plan_nodes(layout, tls_dir)
         state.rabbit = [asdict(n) for n in nodes]
         (epmd_port,) = free_ports(1, exclude={p for n in nodes for p in (n.amqp, n.management, n.mqtt, n.dist)})
         state.procs += lab_rabbit.make_procs(nodes, pdir, secret("rabbitmq"), epmd_port)
         for cluster in layout:
             site = cluster if profile == "rabbit-dr" else "dc"
             sites.setdefault(site, {"clusters": {}})["clusters"][cluster] = lab_rabbit.topology_cluster(  # type: ignore[index]
-                nodes, cluster, sdir, pdir, epmd_port
+                nodes, cluster, sdir, pdir, epmd_port, sec
             )
     return sites
 

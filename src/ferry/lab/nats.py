@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from ferry.lab.procs import Proc, free_ports
-from ferry.lab.secure import SYS_ACCOUNT, Secure
+from ferry.lab.secure import SYS_ACCOUNT, Secure, client_context
 
 APP_USER = "app"
 SYS_USER = "sys"
@@ -66,12 +66,7 @@ class NatsServer:
 
     def client_tls(self) -> ssl.SSLContext | bool:
         """How a client of this server verifies it (and shows its own certificate)."""
-        if not self.tls_dir:
-            return True
-        d = Path(self.tls_dir)
-        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
-        ctx.load_cert_chain(str(d / "client-cert.pem"), str(d / "client-key.pem"))
-        return ctx
+        return client_context(self.tls_dir)
 
 
 def plan_servers(clusters: dict[str, int], tls_dir: str = "") -> list[NatsServer]:

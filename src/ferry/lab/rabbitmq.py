@@ -21,6 +21,7 @@ import httpx
 
 from ferry.errors import ConfigError, FerryError
 from ferry.lab.procs import Proc, free_ports, port_open
+from ferry.lab.secure import Secure, client_context
 
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 MEMORY_WATERMARK = 0.2  # of the machine's memory, per node
@@ -43,14 +44,19 @@ class RabbitNode:
     management: int
     mqtt: int
     dist: int
+    tls_dir: str = ""  # a secure lab's: AMQP and management over TLS only, clients show certificates; no MQTT
 
     @property
     def node(self) -> str:
         return f"{self.name}@localhost"
 
     @property
+    def url(self) -> str:
+        return f"{'amqps' if self.tls_dir else 'amqp'}://127.0.0.1:{self.amqp}"
+
+    @property
     def management_url(self) -> str:
-        return f"http://127.0.0.1:{self.management}"
+        return f"{'https' if self.tls_dir else 'http'}://127.0.0.1:{self.management}"
 
 
 def run_user() -> str | None:
@@ -72,23 +78,35 @@ def check_installed() -> None:
         )
 
 
-def plan_nodes(clusters: dict[str, list[str]]) -> list[RabbitNode]:
+def plan_nodes(clusters: dict[str, list[str]], tls_dir: str = "") -> list[RabbitNode]:
     nodes: list[RabbitNode] = []
     planned: set[int] = set()  # no node is listening yet: a port must not be handed out twice
     for cname, names in clusters.items():
         for name in names:
             amqp, management, mqtt, dist = ports = free_ports(4, exclude=planned)
             planned.update(ports)
-            nodes.append(RabbitNode(name, cname, amqp, management, mqtt, dist))
+            nodes.append(RabbitNode(name, cname, amqp, management, mqtt, dist, tls_dir))
     return nodes
 
 
 def render_config(node: RabbitNode, peers: list[RabbitNode], password: str) -> str:
+    if node.tls_dir:  # TLS only: no plaintext AMQP, HTTP or MQTT port; clients must show a certificate
+        d = Path(node.tls_dir)
+        files = {"cacertfile": d / "ca.pem", "certfile": d / "server-cert.pem", "keyfile": d / "server-key.pem"}
+        listen = ["listeners.tcp = none", f"listeners.ssl.1 = 127.0.0.1:{node.amqp}", "mqtt.listeners.tcp = none"]
+        for prefix in ("ssl_options", "management.ssl"):
+            listen += [f"{prefix}.{k} = {v}" for k, v in files.items()]
+            listen += [f"{prefix}.verify = verify_peer", f"{prefix}.fail_if_no_peer_cert = true"]
+        listen += [f"management.ssl.port = {node.management}", "management.ssl.ip = 127.0.0.1"]
+    else:
+        listen = [
+            f"listeners.tcp.1 = 127.0.0.1:{node.amqp}",
+            f"management.tcp.port = {node.management}",
+            "management.tcp.ip = 127.0.0.1",
+            f"mqtt.listeners.tcp.1 = 127.0.0.1:{node.mqtt}",
+        ]
     lines = [
-        f"listeners.tcp.1 = 127.0.0.1:{node.amqp}",
-        f"management.tcp.port = {node.management}",
-        "management.tcp.ip = 127.0.0.1",
-        f"mqtt.listeners.tcp.1 = 127.0.0.1:{node.mqtt}",
+        *listen,
         f"default_user = {ADMIN_USER}",
         f"default_pass = {password}",
         "default_user_tags.administrator = true",
@@ -190,23 +208,20 @@ def tool(proc: Proc, name: str, *args: str) -> None:
 
 
 def topology_cluster(
-    nodes: list[RabbitNode], cluster: str, secrets_dir: Path, root: Path, epmd_port: int
+    nodes: list[RabbitNode], cluster: str, secrets_dir: Path, root: Path, epmd_port: int, secure: Secure | None = None
 ) -> dict[str, object]:
+    brokers: list[dict[str, object]] = [
+        {"name": n.name, "node": n.node, "url": n.url, "management_url": n.management_url}
+        | ({} if secure else {"mqtt_url": f"mqtt://127.0.0.1:{n.mqtt}"})
+        for n in nodes
+        if n.cluster == cluster
+    ]
     return {
         "kind": "rabbitmq",
         "credentials": {"user": ADMIN_USER, "password_file": str(secrets_dir / "rabbitmq")},
+        **({"tls": secure.client_tls()} if secure else {}),
         "erlang": {"cookie_file": str(root / ".erlang.cookie"), "epmd_port": epmd_port},
-        "brokers": [
-            {
-                "name": n.name,
-                "node": n.node,
-                "url": f"amqp://127.0.0.1:{n.amqp}",
-                "management_url": n.management_url,
-                "mqtt_url": f"mqtt://127.0.0.1:{n.mqtt}",
-            }
-            for n in nodes
-            if n.cluster == cluster
-        ],
+        "brokers": brokers,
     }
 
 
@@ -218,12 +233,14 @@ def health(nodes: list[RabbitNode], password: str) -> dict[str, str]:
     auth = (ADMIN_USER, password)
     for n in nodes:
         size = sum(1 for m in nodes if m.cluster == n.cluster)
-        closed = [name for name, port in (("AMQP", n.amqp), ("MQTT", n.mqtt)) if not port_open(port)]
+        listeners = (("AMQP", n.amqp),) if n.tls_dir else (("AMQP", n.amqp), ("MQTT", n.mqtt))
+        closed = [name for name, port in listeners if not port_open(port)]
         if closed:
             out[n.name] = f"{' and '.join(closed)} listener not open yet"
             continue
         try:
-            r = httpx.get(f"{n.management_url}/api/nodes", auth=auth, timeout=3)
+            verify = client_context(n.tls_dir)
+            r = httpx.get(f"{n.management_url}/api/nodes", auth=auth, timeout=3, verify=verify)
             if r.status_code != 200:
                 out[n.name] = f"management API answered {r.status_code}"
                 continue
@@ -232,7 +249,7 @@ def health(nodes: list[RabbitNode], password: str) -> dict[str, str]:
                 out[n.name] = f"{len(running)} of {size} cluster nodes running"
                 continue
             for path in ("/api/shovels", "/api/federation-links"):
-                if httpx.get(f"{n.management_url}{path}", auth=auth, timeout=3).status_code != 200:
+                if httpx.get(f"{n.management_url}{path}", auth=auth, timeout=3, verify=verify).status_code != 200:
                     out[n.name] = f"{path} not answering (plugin missing?)"
                     break
             else:

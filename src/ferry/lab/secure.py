@@ -9,6 +9,7 @@ memory resolver, every account's JWT.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,17 @@ class Secure:
         """The topology's tls block for ferry (mutual TLS)."""
         d = self.tls_dir
         return {"ca_file": str(self.ca), "cert_file": str(d / "client-cert.pem"), "key_file": str(d / "client-key.pem")}
+
+
+def client_context(tls_dir: str) -> ssl.SSLContext | bool:
+    """How the lab's own checks reach a server of a secure lab (its CA, the client certificate);
+    True (the system's CAs) for a lab that is not secure."""
+    if not tls_dir:
+        return True
+    d = Path(tls_dir)
+    ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+    ctx.load_cert_chain(str(d / "client-cert.pem"), str(d / "client-key.pem"))
+    return ctx
 
 
 def make(pdir: Path) -> Secure:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from ferry.brokers.base import tls_error
 from ferry.errors import ConfigError
 from ferry.topology import Credentials, NatsCluster
 
@@ -112,15 +113,3 @@ def jwt_expired(creds: Credentials | None) -> str | None:
     if not exp or exp > time.time():
         return None
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(exp))
-
-
-def tls_error(exc: BaseException) -> str | None:
-    """One line for a failed TLS handshake ("TLS: certificate verify failed: ..."), else None."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS: certificate verify failed: {exc.verify_message}"
-    if isinstance(exc, ssl.SSLError):
-        reason = str(exc.reason or exc).replace("_", " ").lower()
-        if "certificate required" in reason:
-            return f"TLS: the server requires a client certificate (tls.cert_file and tls.key_file; {reason})"
-        return f"TLS: {reason}"
-    return None

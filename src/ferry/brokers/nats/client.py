@@ -32,7 +32,16 @@ from nats.aio.client import Client
 from nats.errors import AuthorizationError, NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ferry.brokers.base import Answer, BrokerKind, Probe, expiry_warnings, mqtt_probe, timed_probe, tls_session
+from ferry.brokers.base import (
+    Answer,
+    BrokerKind,
+    Probe,
+    expiry_warnings,
+    mqtt_probe,
+    timed_probe,
+    tls_cause,
+    tls_session,
+)
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
 from ferry.topology import NatsCluster
@@ -223,7 +232,7 @@ async def monitor_get(
         async with httpx.AsyncClient(timeout=timeout, verify=tls or True) as client:
             r = await client.get(f"{url}/{path.lstrip('/')}", params=params)
     except httpx.HTTPError as exc:
-        why = auth.tls_error(exc.__context__) if exc.__context__ else None
+        why = tls_cause(exc)
         raise BrokerUnavailable(f"monitoring endpoint {url} not answering ({why or type(exc).__name__})") from None
     if r.status_code >= 400 and path.startswith("healthz"):
         raise BrokerUnavailable(f"{url}/{path}: {r.status_code} {r.text.strip()[:200]}")

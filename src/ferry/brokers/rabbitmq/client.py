@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import ssl
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -24,8 +25,8 @@ import aiormq
 import httpx
 from pamqp import constants as _pamqp_constants
 
-from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe
-from ferry.errors import AuthError, BrokerUnavailable, FerryError, Forbidden, NotFound, redact
+from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe, tls_cause, tls_session
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
@@ -76,7 +77,9 @@ class Management:
         creds = cluster.credentials
         self.user = creds.user if creds else ""
         auth = (creds.user, creds.password() or "") if creds else None
-        self._http = httpx.AsyncClient(base_url=f"{self.broker.management_url}/api", auth=auth, timeout=timeout)
+        verify = tls_context(cluster) or True
+        url = f"{self.broker.management_url}/api"
+        self._http = httpx.AsyncClient(base_url=url, auth=auth, timeout=timeout, verify=verify)
 
     async def __aenter__(self) -> Management:
         return self
@@ -90,10 +93,12 @@ class Management:
     async def request(self, method: str, path: str, *, ok404: bool = False, **kwargs: Any) -> Any:
         try:
             r = await self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise BrokerUnavailable(
-                f"{self.name}: management API {self.broker.management_url} not answering ({type(exc).__name__})"
-            ) from None
+        except (httpx.HTTPError, ssl.SSLError) as exc:  # a refused client certificate: a bare SSLError
+            why = tls_cause(exc) or type(exc).__name__
+            if isinstance(exc, httpx.RemoteProtocolError) and self.broker.management_url.startswith("http:"):
+                why += "; a TLS port? then https://"
+            where = f"{self.name}: management API {self.broker.management_url}"
+            raise BrokerUnavailable(f"{where} not answering ({why})") from None
         if r.status_code == 401:  # the credentials, or a tag or vhost permission the user lacks
             why = ""
             with contextlib.suppress(ValueError, AttributeError):
@@ -123,6 +128,11 @@ def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:
     """The URI of `cluster`'s first broker with its credentials and `vhost`, for a broker to connect
     to another (a shovel's destination, a federation upstream). It carries the password: never print it."""
     parts = urlsplit(cluster.brokers[0].url)
+    if parts.scheme == "amqps":  # without cacertfile/verify RabbitMQ would dial it unverified: refuse
+        raise ConfigError(
+            f"{cluster.brokers[0].name}: shovels and federation links to an amqps:// broker are not supported yet "
+            "(their TLS parameters are not written); use --engine spark for a fail-back"
+        )
     creds = cluster.credentials
     user = quote(creds.user if creds else "guest", safe="")
     password = quote((creds.password() if creds else None) or "guest", safe="")
@@ -150,6 +160,7 @@ async def amqp_connect(
         "login": creds.user if creds else "guest",
         "password": (creds.password() if creds else None) or "guest",
         "ssl": parts.scheme == "amqps",
+        "ssl_context": tls_context(cluster),
         "timeout": timeout,
         "client_properties": {"connection_name": name},
     }
@@ -168,9 +179,25 @@ async def amqp_connect(
         text = str(exc)
         if "access" in text.lower() and "vhost" in text.lower():
             raise NotFound(f"{broker.name}: vhost {vhost!r} does not exist or is not permitted") from None
+        reset = any(isinstance(e, ConnectionResetError) for e in (exc, exc.__cause__, exc.__context__))
+        why = tls_cause(exc) or certificate_hint(cluster, broker, reset)
         raise BrokerUnavailable(
-            f"{broker.name}: AMQP {parts.hostname}:{parts.port} not answering ({type(exc).__name__})"
+            f"{broker.name}: AMQP {parts.hostname}:{parts.port} not answering ({why or type(exc).__name__})"
         ) from None
+
+
+def certificate_hint(cluster: RabbitCluster, broker: RabbitBroker, reset: bool) -> str | None:
+    """Why an amqps connection was `reset` in its handshake when ferry showed no client certificate:
+    a broker that requires one rejects it with an alert that the reset often overtakes."""
+    if reset and broker.url.startswith("amqps:") and not (cluster.tls and cluster.tls.cert_file):
+        return "reset in the TLS handshake: does the broker require a client certificate? (tls.cert_file and key_file)"
+    return None
+
+
+def tls_context(cluster: RabbitCluster) -> ssl.SSLContext | None:
+    """The TLS context of `cluster`'s ``amqps://`` and ``https://`` endpoints: from its ``tls`` block
+    (a private CA, a client certificate), else None (the system's CAs)."""
+    return cluster.tls.context() if cluster.tls else None
 
 
 def _close_reply(exc: BaseException) -> str | None:
@@ -181,11 +208,14 @@ def _close_reply(exc: BaseException) -> str | None:
 async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
     """Every endpoint of every broker: AMQP, management API, MQTT."""
 
-    async def amqp(b: RabbitBroker) -> str:
+    ctx = tls_context(cluster) or ssl.create_default_context()
+
+    async def amqp(b: RabbitBroker) -> Answer:
         conn = await amqp_connect(cluster, b, timeout=3)
         props = conn.transport.connection.server_properties if conn.transport else {}
         await conn.close()
-        return f"RabbitMQ {props.get('version', '?')}"
+        tls = await tls_session(b.url, ctx) if b.url.startswith("amqps:") else None
+        return Answer(f"RabbitMQ {props.get('version', '?')}", tls)
 
     async def management(b: RabbitBroker) -> Answer:
         async with Management(cluster, b, name=b.name, timeout=3) as m:
@@ -194,7 +224,8 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         tags = me.get("tags") or []
         tags = ",".join(tags) if isinstance(tags, list) else str(tags)
         identity = f"user {me.get('name')} (tags {tags or '-'})"
-        return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", identity=identity)
+        tls = await tls_session(b.management_url, ctx) if b.management_url.startswith("https:") else None
+        return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", tls, identity)
 
     checks = []
     for b in cluster.brokers:

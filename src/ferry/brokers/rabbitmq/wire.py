@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from urllib.parse import urlsplit
 from pamqp import commands, frame
 from pamqp.header import ContentHeader
 
+from ferry.brokers.base import tls_error
+from ferry.brokers.rabbitmq.client import certificate_hint, tls_context
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
 from ferry.topology import RabbitCluster
 
@@ -228,16 +231,28 @@ class Connection:
         self._handshake: asyncio.Queue[Any] = asyncio.Queue()
         self._content: _Incoming | None = None
         self._out: list[bytes] = []
+        self.greeted = False  # the broker's Connection.Start came
 
     @classmethod
     async def open(
-        cls, host: str, port: int, user: str, password: str, vhost: str, *, name: str = "", timeout: float = 10.0
+        cls,
+        host: str,
+        port: int,
+        user: str,
+        password: str,
+        vhost: str,
+        *,
+        name: str = "",
+        timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
     ) -> Connection:
+        """Connected and logged in (over TLS from the first byte when `tls` is given: amqps)."""
         conn = cls(name or f"{host}:{port}")
         try:
-            conn.reader, conn.writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            conn.reader, conn.writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), timeout)
         except (OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(f"{conn.name}: AMQP {host}:{port} not answering ({type(exc).__name__})") from None
+            why = tls_error(exc) or type(exc).__name__
+            raise BrokerUnavailable(f"{conn.name}: AMQP {host}:{port} not answering ({why})") from None
         conn.writer.write(b"AMQP\x00\x00\x09\x01")
         conn._task = asyncio.create_task(conn._read_loop())
         try:
@@ -245,6 +260,13 @@ class Connection:
         except TimeoutError:
             await conn.close()
             raise BrokerUnavailable(f"{conn.name}: AMQP handshake timed out") from None
+        except BrokerUnavailable:
+            await conn.close()
+            if tls is None and not conn.greeted:  # a TLS listener hangs up on a plaintext AMQP header
+                raise BrokerUnavailable(
+                    f"{conn.name}: AMQP {host}:{port} hung up before greeting ferry (a TLS port? then amqps://)"
+                ) from None
+            raise
         except BaseException:  # refused, cancelled, the socket gone: no reader task or socket left behind
             await conn.close()
             raise
@@ -268,6 +290,7 @@ class Connection:
 
     async def _handshake_steps(self, user: str, password: str, vhost: str) -> None:
         await self._expect(commands.Connection.Start)
+        self.greeted = True
         capabilities = {
             "publisher_confirms": True,
             "basic.nack": True,
@@ -375,7 +398,7 @@ class Connection:
                     self._frame(ftype, channel, payload)
                 del buf[:pos]
         except (OSError, asyncio.IncompleteReadError) as exc:
-            self._fail(f"connection lost ({type(exc).__name__})")
+            self._fail(f"connection lost ({tls_error(exc) or type(exc).__name__})")
 
     def _frame(self, ftype: int, channel: int, payload: bytes) -> None:
         if ftype == 1:
@@ -466,14 +489,21 @@ async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name:
     b = cluster.brokers[broker % len(cluster.brokers)]
     creds = cluster.credentials
     parts = urlsplit(b.url)
-    return await Connection.open(
-        parts.hostname or "127.0.0.1",
-        parts.port or 5672,
-        creds.user if creds else "guest",
-        (creds.password() if creds else None) or "guest",
-        vhost,
-        name=name or b.name,
-    )
+    amqps = parts.scheme == "amqps"
+    try:
+        return await Connection.open(
+            parts.hostname or "127.0.0.1",
+            parts.port or (5671 if amqps else 5672),
+            creds.user if creds else "guest",
+            (creds.password() if creds else None) or "guest",
+            vhost,
+            name=name or b.name,
+            tls=(tls_context(cluster) or ssl.create_default_context()) if amqps else None,
+        )
+    except BrokerUnavailable as exc:
+        if why := certificate_hint(cluster, b, reset="ConnectionResetError" in str(exc)):
+            raise BrokerUnavailable(f"{b.name}: AMQP {parts.hostname}:{parts.port}: {why}") from None
+        raise
 
 
 class QueueCounts:

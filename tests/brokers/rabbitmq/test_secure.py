@@ -1,0 +1,163 @@
+"""ferry on RabbitMQ over TLS: the secure rabbit-dr lab (AMQP and the management API on TLS
+ports only, client certificates required, the lab's own CA). Queues are copied between clusters
+and from a secure JetStream stream, counted by id; bad TLS settings get one line and change
+nothing; no secret reaches any output."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+import yaml
+
+from ferry import lab
+from ferry.brokers.rabbitmq.client import Management
+from ferry.topology import load_topology
+from tests.helpers import FERRY, make_queues, make_stream, queue_messages
+
+pytestmark = pytest.mark.lab
+
+OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
+
+
+def ferry(*args: str, topology: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    r = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    OUTPUTS.extend((r.stdout, r.stderr))
+    return r
+
+
+def acked_ids(ledger: Path) -> set[str]:
+    import pyarrow.parquet as pq
+
+    return {r["id"] for r in pq.read_table(ledger).to_pylist() if r["outcome"] == "acked"}
+
+
+def held_ids(topology: Path, cluster: str, queue: str) -> list[str]:
+    return [r["msg_id"] for r in asyncio.run(queue_messages(load_topology(topology), cluster, "/", queue))]
+
+
+def load(topology: Path, cluster: str, queue: str, ledger: Path, count: int) -> set[str]:
+    r = ferry("load", f"rabbitmq://{cluster}/%2F", "--subject", queue, "--subjects", "1", "--count", str(count),
+              "--ledger", str(ledger), topology=topology)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return acked_ids(ledger)
+
+
+def test_the_secure_rabbitmq_lab_is_tls_only_and_checks_clean(secure_rabbit_dr: lab.LabState) -> None:
+    topology = secure_rabbit_dr.path / "topology.yaml"
+    clusters = {n: c for s in yaml.safe_load(topology.read_text())["sites"].values() for n, c in s["clusters"].items()}
+    assert set(clusters) == {"art", "pc1", "ltm"}
+    for c in clusters.values():
+        assert set(c["tls"]) == {"ca_file", "cert_file", "key_file"}, c
+        assert all(b["url"].startswith("amqps://") and b["management_url"].startswith("https://") for b in c["brokers"])
+        assert not any("mqtt_url" in b for b in c["brokers"])  # no plaintext port left open
+    r = ferry("topology", "check", str(topology), "--json", topology=topology)
+    assert r.returncode == 0, r.stderr
+    probes = json.loads(r.stdout)["probes"]
+    assert len(probes) == 3 * 2 and all(p["ok"] for p in probes), probes  # AMQP and the management API
+    assert all(p["tls"]["version"] == "TLSv1.3" and p["tls"]["subject"] == "CN=127.0.0.1" for p in probes), probes
+    assert all(p["identity"] == "user ferry (tags administrator)" for p in probes if p["endpoint"] == "management")
+
+
+def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: lab.LabState, tmp_path: Path) -> None:
+    """The queue mover's raw AMQP client (Spark's executors) and the control plane's over amqps."""
+    topology = secure_rabbit_dr.path / "topology.yaml"
+    queues = {"tls-quorum": True, "tls-classic": False}
+    quorum = {q for q, yes in queues.items() if yes}
+    asyncio.run(make_queues(load_topology(topology), "pc1", "/", list(queues), quorum))
+    acked = {q: load(topology, "pc1", q, tmp_path / q, 2000) for q in queues}
+    r = ferry("copy", "rabbitmq://pc1/%2F/tls-*", "rabbitmq://ltm/%2F", "--create", "--json", topology=topology)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["stored"] == 4000
+    for q in queues:
+        held = held_ids(topology, "ltm", q)
+        assert len(held) == len(set(held)) == 2000 and set(held) == acked[q], q
+
+
+@pytest.mark.spark
+def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
+    secure_supercluster: lab.LabState, secure_rabbit_dr: lab.LabState, tmp_path: Path
+) -> None:
+    """JetStream (operator mode, TLS) into RabbitMQ (TLS), then the queue into Parquet and the audit."""
+    topology = secure_rabbit_dr.path.parent / "topology.yaml"  # both secure profiles
+    topo = load_topology(topology)
+    asyncio.run(make_stream(topo, "east", "SECURE_TO_Q", ["secure_to_q.>"], placement="east"))
+    asyncio.run(make_queues(topo, "ltm", "/", ["from-js"], set()))
+    r = ferry("load", "jetstream://east", "--subject", "secure_to_q.{n}", "--count", "3000", "--ledger",
+              str(tmp_path / "ledger"), topology=topology)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = ferry("copy", "jetstream://east/SECURE_TO_Q", "rabbitmq://ltm/%2F/from-js", "--json", topology=topology)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["stored"] == 3000
+    snap = ferry("snapshot", "rabbitmq://ltm/%2F/from-js", "--out", str(tmp_path / "snap"), topology=topology)
+    assert snap.returncode == 0, snap.stderr[-2000:]
+    audit = ferry("audit", "--ledger", str(tmp_path / "ledger"), "--tier", f"q={tmp_path / 'snap'}", "--json",
+                  topology=topology)  # fmt: skip
+    assert audit.returncode == 0, audit.stderr[-2000:]
+    t = json.loads(audit.stdout)["tiers"]["q"]
+    assert t["tier_messages"] == 3000 and t["lost"] == t["extra_copies"] == t["unexpected"] == 0, t
+
+
+def _other_ca(d: Path) -> str:
+    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
+    return str(d / "other-ca.pem")
+
+
+BAD = {
+    "another CA": (lambda c, d: c["tls"].update(ca_file=_other_ca(d)), "TLS: certificate verify failed: "),
+    "amqp:// to a TLS port": (
+        lambda c, d: [b.update(url=b["url"].replace("amqps://", "amqp://")) for b in c["brokers"]],
+        "hung up before greeting ferry (a TLS port? then amqps://)",
+    ),
+    "http:// to a TLS port": (
+        lambda c, d: [b.update(management_url=b["management_url"].replace("https:", "http:")) for b in c["brokers"]],
+        "a TLS port? then https://)",
+    ),
+    "no client certificate": (
+        lambda c, d: [c["tls"].pop("cert_file"), c["tls"].pop("key_file")],
+        "client certificate",  # the broker's alert, or the reset that overtook it: both say so
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_tls_settings_get_one_line_and_change_nothing(
+    secure_rabbit_dr: lab.LabState, tmp_path: Path, case: str
+) -> None:
+    change, expected = BAD[case]
+    good = secure_rabbit_dr.path / "topology.yaml"
+    asyncio.run(make_queues(load_topology(good), "pc1", "/", ["tls-bad"], set()))  # the copy gets as far as AMQP
+    doc = yaml.safe_load(good.read_text())
+    for site in doc["sites"].values():
+        for name, cluster in list(site["clusters"].items()):
+            site["clusters"][name] = variant = copy.deepcopy(cluster)
+            change(variant, tmp_path)
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(yaml.safe_dump(doc))
+    r = ferry("copy", "rabbitmq://pc1/%2F/tls-bad", "rabbitmq://ltm/%2F/tls-bad-copy", "--create", topology=topology)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert expected in r.stderr, r.stderr
+
+    async def absent() -> Any:
+        async with Management(load_topology(good).rabbitmq("ltm")) as m:
+            return await m.get("/queues/%2F/tls-bad-copy", ok404=True)
+
+    assert asyncio.run(absent()) is None
+
+
+def test_no_secret_reaches_any_output(secure_rabbit_dr: lab.LabState) -> None:
+    """The RabbitMQ password and the client's private key: in none of this module's outputs."""
+    secrets = [(secure_rabbit_dr.path / "secrets" / "rabbitmq").read_text().strip()]
+    key = (secure_rabbit_dr.path / "tls" / "client-key.pem").read_text()
+    secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
+    assert all(secrets) and len(OUTPUTS) > 10
+    leaked = [s[:6] for s in secrets if any(s in o for o in OUTPUTS)]
+    assert not leaked, f"secrets starting with {leaked} reached an output"
