@@ -27,14 +27,29 @@ FERRY = [sys.executable, "-m", "ferry"]
 
 
 def ferry(
-    *args: str, topology: Path, timeout: float = 300, check: bool = False, cwd: Path | None = None
+    *args: str,
+    topology: Path,
+    timeout: float = 300,
+    check: bool = False,
+    cwd: Path | None = None,
+    record: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI in a subprocess (its own Spark driver)."""
+    """Run the real CLI in a subprocess (its own Spark driver); its stdout and stderr are appended
+    to `record` (a module's outputs, searched for secrets at its end)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     result = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if record is not None:
+        record.extend((result.stdout, result.stderr))
     if check and result.returncode != 0:
         raise AssertionError(f"ferry {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
     return result
+
+
+def acked_ids(ledger: Path) -> set[str]:
+    """The ids a load's ledger records as acked."""
+    import pyarrow.parquet as pq
+
+    return {r["id"] for r in pq.read_table(ledger).to_pylist() if r["outcome"] == "acked"}
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:

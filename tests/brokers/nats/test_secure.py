@@ -8,6 +8,7 @@ import asyncio
 import base64
 import copy
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -26,29 +27,20 @@ from ferry.brokers import nats as bnats
 from ferry.lab.nats import nats_server_binary
 from ferry.lab.procs import free_ports, port_open
 from ferry.topology import load_topology
-from tests.helpers import FERRY, finish, judge, make_stream, read_stream, start_load
+from tests import helpers
+from tests.helpers import acked_ids, finish, judge, make_stream, read_stream, start_load
 
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
 
 
-def ferry(*args: str, topology: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    r = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    OUTPUTS.extend((r.stdout, r.stderr))
-    return r
+ferry = functools.partial(helpers.ferry, record=OUTPUTS)
 
 
 @pytest.fixture
 def secure(secure_supercluster: lab.LabState) -> lab.LabState:
     return secure_supercluster
-
-
-def acked_ids(ledger: Path) -> set[str]:
-    import pyarrow.parquet as pq
-
-    return {r["id"] for r in pq.read_table(ledger).to_pylist() if r["outcome"] == "acked"}
 
 
 def held_ids(topology: Path, cluster: str, stream: str) -> list[str]:

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +19,15 @@ import yaml
 from ferry import lab
 from ferry.brokers.rabbitmq.client import Management
 from ferry.topology import load_topology
-from tests.helpers import FERRY, make_queues, make_stream, queue_messages
+from tests import helpers
+from tests.helpers import acked_ids, make_queues, make_stream, queue_messages
 
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
 
 
-def ferry(*args: str, topology: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    r = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    OUTPUTS.extend((r.stdout, r.stderr))
-    return r
-
-
-def acked_ids(ledger: Path) -> set[str]:
-    import pyarrow.parquet as pq
-
-    return {r["id"] for r in pq.read_table(ledger).to_pylist() if r["outcome"] == "acked"}
+ferry = functools.partial(helpers.ferry, record=OUTPUTS)
 
 
 def held_ids(topology: Path, cluster: str, queue: str) -> list[str]:
