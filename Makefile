@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian packages the lab and tests need (installed with apt-get when missing; needs root).
-DEBS  := rabbitmq-server haproxy chromium nats-server
+DEBS  := rabbitmq-server haproxy chromium nats-server prometheus
 
 .PHONY: setup system-packages demo test test-fast lint bench clean
 

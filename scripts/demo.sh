@@ -10,7 +10,7 @@ export FERRY_STATE_DIR="$OUT/state"
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*" >&2; "$@"; }
 step_to() { local file=$1; shift; printf '\n\033[1m$ %s > %s\033[0m\n' "$*" "$file" >&2; "$@" > "$file"; }
 
-step ferry lab up supercluster
+step ferry lab up supercluster --haproxy   # with ferry serve (the console) and Prometheus
 trap 'step ferry lab down' EXIT
 step ferry topology check "$FERRY_LAB_DIR/topology.yaml"
 step ferry stream add ORDERS --cluster east --placement east --subject 'orders.>' --replicas 3
@@ -23,6 +23,11 @@ step ferry load jetstream://west --subject 'orders.js.{n}' --producers 2 --rate 
      --ledger "$OUT/ledger/kind=js" &
 JS=$!
 sleep 4
+python - "$FERRY_LAB_DIR/supercluster/state.json" <<'PY'
+import json, sys
+lb = json.load(open(sys.argv[1]))["lb"]
+print(f"\nwatch the move: {lb['serve']}/ (bearer token in {lb['token_file']}); Prometheus: {lb['prometheus']}")
+PY
 step ferry move ORDERS --to west
 wait "$CORE" "$JS"
 

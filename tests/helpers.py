@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -285,3 +286,44 @@ def start_load(
 def finish(proc: subprocess.Popen) -> None:
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
+
+
+class Relay:
+    """One `ferry replicate run --json` process; its events read from a file."""
+
+    def __init__(self, topology: Path, tmp: Path, source: str, dest: str, *extra: str) -> None:
+        self.log = tmp / f"relay-{source}-{dest}-{time.monotonic_ns()}.log"
+        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+        args = [*FERRY, "replicate", "run", "--from", source, "--to", dest, "--json", *extra]
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = self.log.read_text().splitlines()
+        return [json.loads(x) for x in lines if x.startswith('{"event"')]
+
+    def event(self, name: str, timeout: float = 120) -> dict[str, Any]:
+        def seen() -> dict[str, Any] | None:
+            if self.proc.poll() is not None and self.proc.returncode:
+                raise AssertionError(f"relay exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            return next((e for e in self.events() if e["event"] == name), None)
+
+        return wait_for(seen, timeout, f"relay event {name!r}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.wait(timeout=30)
+
+
+def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float | None) -> subprocess.Popen:
+    """`ferry load` at `rate` for `seconds` (None: until it gets SIGTERM)."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    # until a signal: a publish not acked within 5 s is given up (the test kills the site under it)
+    until = ["--duration", str(seconds)] if seconds else ["--until-signal", "--give-up-after", "5"]
+    args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), *until]
+    args += ["--producers", "4", "--ledger", str(ledger), "--json"]
+    return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

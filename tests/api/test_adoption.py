@@ -42,14 +42,18 @@ def test_an_owner_running_on_this_host_is_never_adopted(registry: Registry) -> N
     from ferry.journal import Journal
 
     late = time.time() - 60  # a heartbeat long overdue
-    me = {"owner": Journal.owner(), "heartbeat": late}
-    reused = {"owner": {**Journal.owner(), "started": "1"}, "heartbeat": late}  # our pid, another process
+    me = {"owner": Journal.owner(), "heartbeat": late, "kind": "evacuation"}
+    reused = {
+        "owner": {**Journal.owner(), "started": "1"},
+        "heartbeat": late,
+        "kind": "evacuation",
+    }  # our pid, another process
     zombie = subprocess.Popen(["true"])
     deadline = time.monotonic() + 10
     while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.monotonic() < deadline, "the child never exited"
         time.sleep(0.01)
-    exited = {"owner": {"host": socket.gethostname(), "pid": zombie.pid}, "heartbeat": time.time()}
+    exited = {"owner": {"host": socket.gethostname(), "pid": zombie.pid}, "heartbeat": time.time(), "kind": "rebalance"}
     registry.states["east"] = {"a": me, "b": reused, "c": exited}
     registry.read_at["east"] = time.monotonic()
     try:

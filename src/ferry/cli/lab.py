@@ -46,6 +46,11 @@ def lab_up(
     out.print(f"topology: {(lab_dir_arg(dir) or lab.lab_root()) / 'topology.yaml'}")
     if state.lb:
         out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
+        out.print(f"console: {state.lb['serve']}/  (bearer token in {state.lb['token_file']})")
+        if "prometheus" in state.lb:
+            out.print(
+                f"Prometheus: {state.lb['prometheus']}  (scrapes ferry serve every second, ferry's alerts loaded)"
+            )
         for name, urls in state.lb["clusters"].items():
             out.print(f"through HAProxy: {name}: {' '.join(urls.values())}")
 

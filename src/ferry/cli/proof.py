@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -199,6 +200,8 @@ def audit_cmd(
     html.write_text(render_html(report, failures))
     report["html"] = str(html.absolute())
     report["pass"] = not failures
+    # beside the HTML, for `ferry serve --reports` (the console and ferry_audit_messages)
+    html.with_suffix(".json").write_text(json.dumps(report, default=str))
     if as_json:
         print_json(report)
     else:

@@ -17,12 +17,21 @@ def serve_cmd(
     token_file: Annotated[
         Path | None, typer.Option(help="File holding the bearer token the mutating endpoints require.")
     ] = None,
+    public_read: Annotated[
+        bool, typer.Option(help="Let anyone read the console and /metrics (default: they need the bearer token).")
+    ] = False,
+    reports: Annotated[
+        Path | None,
+        typer.Option(help="Folder of audit reports (`ferry audit --html DIR/NAME.html`) the console lists."),
+    ] = None,
     topology: TopologyOpt = None,
 ) -> None:
-    """HTTP API: availability checks for load balancers, start/stop/inspect evacuations and rebalances.
+    """HTTP API and operations console: availability checks for load balancers, evacuations and
+    rebalances (start, stop, inspect), Prometheus metrics of every job at /metrics, a live page at /.
 
     Keeps every journaled evacuation and rebalance driven (adopting those whose ferry died).
-    OpenAPI at /openapi.json, docs at /docs.
+    OpenAPI at /openapi.json, docs at /docs (served offline). The console and /metrics need the
+    bearer token unless --public-read; without --token-file and --public-read they are off.
     """
     import uvicorn
 
@@ -38,7 +47,9 @@ def serve_cmd(
         if not token:
             raise ConfigError(f"--token-file {token_file} is empty")
     token = token or os.environ.get("FERRY_API_TOKEN") or None
-    app_ = create_app(open_topology(topology), token)
+    if reports is not None and not reports.is_dir():
+        raise ConfigError(f"--reports {reports}: no such directory")
+    app_ = create_app(open_topology(topology), token, public_read=public_read, reports=reports)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 

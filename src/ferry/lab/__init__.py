@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from ferry.errors import ConfigError, FerryError, NotFound
 from ferry.lab import haproxy as lab_haproxy
 from ferry.lab import nats as lab_nats
+from ferry.lab import prometheus as lab_prometheus
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab import secure as lab_secure
 from ferry.lab.procs import Proc, free_ports, port_open, stop_all
@@ -220,7 +221,7 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
     clusters = [(n, c) for _, n, c in topo.clusters()]
     planned = {v for d in state.nats for srv in d for k, v in srv.items() if isinstance(v, int) and k != "index"}
     planned |= {v for n in state.rabbit for k, v in n.items() if isinstance(v, int)}
-    serve_port, stats_port, *lb_ports = free_ports(2 + 2 * len(clusters), exclude=planned)
+    serve_port, stats_port, prom_port, *lb_ports = free_ports(3 + 2 * len(clusters), exclude=planned)
     frontends, lb = [], {}
     for i, (name, cluster) in enumerate(clusters):
         port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
@@ -236,6 +237,7 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
         "serve": f"http://127.0.0.1:{serve_port}",
         "stats": f"http://127.0.0.1:{stats_port}/stats",
         "token_file": str(token),
+        "prometheus": f"http://127.0.0.1:{prom_port}",
         "clusters": lb,
     }
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "FERRY_TOPOLOGY": str(pdir / "topology.yaml")}
@@ -257,6 +259,13 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
             cwd=str(d),
             log=str(d / "haproxy.log"),
         ),
+        lab_prometheus.proc(
+            pdir / "prometheus",
+            prom_port,
+            {"ferry-serve": [f"127.0.0.1:{serve_port}"]},
+            token,
+            [lab_prometheus.RULES] if lab_prometheus.RULES.exists() else [],
+        ),
     ]
 
 
@@ -270,7 +279,14 @@ def _lb_health(state: LabState) -> dict[str, str]:
     except (httpx.HTTPError, ValueError) as exc:
         serve = f"not answering ({type(exc).__name__})"
     stats_port = urlsplit(state.lb["stats"]).port or 0
-    return {"ferry-serve": serve, "haproxy": "ok" if port_open(stats_port) else "stats port closed"}
+    out = {"ferry-serve": serve, "haproxy": "ok" if port_open(stats_port) else "stats port closed"}
+    if "prometheus" in state.lb:
+        try:
+            ready = httpx.get(state.lb["prometheus"] + "/-/ready", timeout=2).status_code == 200
+            out["prometheus"] = "ok" if ready else "not ready"
+        except httpx.HTTPError as exc:
+            out["prometheus"] = f"not answering ({type(exc).__name__})"
+    return out
 
 
 def _wait_port(port: int, proc: Proc, timeout: float) -> None:

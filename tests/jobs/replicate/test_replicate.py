@@ -23,50 +23,9 @@ import pytest
 from ferry import lab
 from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import FERRY, ferry, judge, make_stream, read_stream, stream_count, wait_for
+from tests.helpers import FERRY, Relay, ferry, judge, load, make_stream, read_stream, stream_count, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]
-
-
-class Relay:
-    """One `ferry replicate run --json` process; its events read from a file."""
-
-    def __init__(self, topology: Path, tmp: Path, source: str, dest: str, *extra: str) -> None:
-        self.log = tmp / f"relay-{source}-{dest}-{time.monotonic_ns()}.log"
-        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-        args = [*FERRY, "replicate", "run", "--from", source, "--to", dest, "--json", *extra]
-        with self.log.open("w") as f:
-            self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
-
-    def events(self) -> list[dict[str, Any]]:
-        lines = self.log.read_text().splitlines()
-        return [json.loads(x) for x in lines if x.startswith('{"event"')]
-
-    def event(self, name: str, timeout: float = 120) -> dict[str, Any]:
-        def seen() -> dict[str, Any] | None:
-            if self.proc.poll() is not None and self.proc.returncode:
-                raise AssertionError(f"relay exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            return next((e for e in self.events() if e["event"] == name), None)
-
-        return wait_for(seen, timeout, f"relay event {name!r}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.kill()
-        self.proc.wait(timeout=30)
-
-
-def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, seconds: float | None) -> subprocess.Popen:
-    """`ferry load` at `rate` for `seconds` (None: until it gets SIGTERM)."""
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    # until a signal: a publish not acked within 5 s is given up (the test kills the site under it)
-    until = ["--duration", str(seconds)] if seconds else ["--until-signal", "--give-up-after", "5"]
-    args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), *until]
-    args += ["--producers", "4", "--ledger", str(ledger), "--json"]
-    return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished(p: subprocess.Popen) -> dict[str, Any]:
@@ -146,7 +105,7 @@ def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, 
         assert mine["leader"]["pid"] == relay.proc.pid and mine["state"] == "relaying"
         wait_for(lambda: ferry_progress(topology)["relayed"] == n, 10, "status to show everything relayed")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert f'ferry_replicate_relayed_seq{{dest="sfo",source="nyc",stream="RATE"}} {float(n)}' in metrics
+        assert f'ferry_relay_relayed_total{{from="nyc",stream="RATE",to="sfo"}} {float(n)}' in metrics
 
         stopped = json.loads(
             ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--json", topology=topology, check=True).stdout

@@ -238,7 +238,7 @@ class Relay:
                         self.emit("standby", leader=owner)
                         leader = owner
                     if self.metrics:
-                        self.metrics.active.set(0)
+                        self.metrics.active = False
                     await asyncio.sleep(0.5)
                     continue
                 leader = None
@@ -394,33 +394,51 @@ class _Progress:
 
 
 class Metrics:
-    """Prometheus gauges of one relay, served on ``port``."""
+    """The relay's own Prometheus families, served on ``port``: the live figures only the running
+    relay knows, under the names ``ferry serve``'s ``/metrics`` uses for what it reads from the
+    journal (``dashboards/ferry.json`` relies on them)."""
 
-    def __init__(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+    def __init__(self, port: int | None) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
 
-        self.registry = CollectorRegistry()
-        labels = ["source", "dest", "stream"]
-        g = lambda name, doc: Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
-        self.relayed = g("ferry_replicate_relayed_seq", "Last source sequence relayed")
-        self.lag = g("ferry_replicate_lag_messages", "Source messages not relayed yet")
-        self.lag_s = g("ferry_replicate_lag_seconds", "Age of the oldest message not relayed yet")
-        self.rate = g("ferry_replicate_rate", "Source sequences relayed per second")
-        self.active = Gauge("ferry_replicate_active", "1 when this process holds the lease", registry=self.registry)
+        self.rep: Replication | None = None
+        self.progress: dict[str, dict[str, Any]] = {}
+        self.active = False
+        if port is None:  # the families only (their names are checked against the dashboard)
+            return
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)  # type: ignore[arg-type]
         try:
-            start_http_server(port, addr="127.0.0.1", registry=self.registry)
+            start_http_server(port, addr="127.0.0.1", registry=registry)
         except OSError as exc:
             raise ConfigError(f"--metrics-port {port}: {exc.strerror}") from None
 
     def update(self, rep: Replication, progress: dict[str, dict[str, Any]]) -> None:
-        self.active.set(1)
-        for stream, p in progress.items():
-            labels = (rep.source, rep.dest, stream)
-            self.relayed.labels(*labels).set(p["relayed"])
-            self.rate.labels(*labels).set(p["rate"])
-            if p["lag"] is not None:
-                self.lag.labels(*labels).set(p["lag"])
-                self.lag_s.labels(*labels).set(p["lag_s"])
+        self.rep, self.progress, self.active = rep, dict(progress), True
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["from", "to", "stream"]
+        relayed = CounterMetricFamily("ferry_relay_relayed", "Last source sequence relayed", labels=labels)
+        lag = GaugeMetricFamily("ferry_relay_lag_messages", "Source messages the relay has yet to relay", labels=labels)
+        lag_s = GaugeMetricFamily(
+            "ferry_relay_lag_seconds", "Age of the oldest message the relay has yet to relay", labels=labels
+        )
+        rate = GaugeMetricFamily("ferry_relay_rate", "Source sequences relayed per second", labels=labels)
+        active = GaugeMetricFamily(
+            "ferry_relay_active", "1 while this process holds the replication's lease", labels=["from", "to"]
+        )
+        if self.rep:
+            active.add_metric([self.rep.source, self.rep.dest], 1.0 if self.active else 0.0)
+            for stream, p in sorted(self.progress.items()):
+                at = [self.rep.source, self.rep.dest, stream]
+                relayed.add_metric(at, float(p["relayed"]))
+                rate.add_metric(at, float(p["rate"]))
+                if p["lag"] is not None:
+                    lag.add_metric(at, float(p["lag"]))
+                    lag_s.add_metric(at, float(p["lag_s"]))
+        yield from (relayed, lag, lag_s, rate, active)
 
 
 def count_after(spark: Any, topo: Topology, rep: Replication, stream: str, after: int) -> int:
