@@ -130,7 +130,7 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
     token = token_file.read_text().strip()
     reports = tmp_path / "reports"
     reports.mkdir()
-    relay_port, serve_port, prom_port = free_ports(3)
+    relay_port, serve_port, prom_port, job_port = free_ports(4)
     procs: list[subprocess.Popen] = []
     prom = relay = clients = None
 
@@ -168,12 +168,17 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
             "ferry-serve": [lab_serve],
             "ferry-serve-sites": [f"127.0.0.1:{serve_port}"],
             "ferry-relay": [f"127.0.0.1:{relay_port}"],
+            "ferry-job": [f"127.0.0.1:{job_port}"],  # the evacuation's own --metrics-port, while it runs
         }
         prom = lab_prometheus.proc(tmp_path / "prometheus", prom_port, targets, token_file, [rules])
         prom.start()
         base = f"http://127.0.0.1:{prom_port}"
         wait_for(lambda: httpx.get(f"{base}/-/ready", timeout=2).status_code == 200, 30, "Prometheus ready")
-        wait_for(lambda: len(prom_query(base, "up == 1")) == 3, 30, "Prometheus to scrape serve twice and the relay")
+        wait_for(
+            lambda: len(prom_query(base, 'up{job!="ferry-job"} == 1')) == 3,
+            30,
+            "Prometheus to scrape serve twice and the relay",
+        )
         wait_for(lambda: prom_query(base, 'ferry_relay_relayed_total{job="ferry-relay"} > 0'), 20, "relayed")
 
         # the relay dies under load: no relay is active, and its lag grows at the source
@@ -194,7 +199,7 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         (e3,) = [b for b in east.brokers if b.name == "east-3"]
         clients = Clients(east, e3.url, 30)
         args = ["node", "evacuate", "east-3", "--wait-health-check", "2", "--conn-evict-rate", "3"]
-        args += ["--wait-takeover", "1", "--json"]
+        args += ["--wait-takeover", "1", "--metrics-port", str(job_port), "--json"]
         evac = subprocess.Popen(
             [*FERRY, *args], env={**os.environ, "FERRY_TOPOLOGY": str(sc_topology)}, stdout=subprocess.PIPE, text=True
         )
@@ -215,6 +220,9 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         first = seen[-1][1]
         wait_for(evicting, 30, "the page to show the evacuation further on")
         wait_for(lambda: evicting() and seen[-1][1] > first, 30, "the progress to move")  # type: ignore[operator]
+        # the evacuation's own figures, scraped from the running process
+        evicted = 'max_over_time(ferry_job_event_value{job="ferry-job",kind="evacuation",event="evicted"}[1m])'
+        wait_for(lambda: prom_query(base, evicted), 30, "the evacuation's own metrics in Prometheus")
         out, _ = evac.communicate(timeout=120)
         assert json.loads(out)["outcome"] == "evacuated"
 

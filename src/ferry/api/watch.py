@@ -218,8 +218,6 @@ class Registry:
             total = int((st.get("initial") or {}).get("connections") or 0)
             return min(1.0, int(st.get("evicted", {}).get("connections", 0)) / total) if total else 0.0
         if kind == "rebalance":
-            if st.get("state") == "prohibiting":
-                return 1.0
             total = sum(max(0, r["connections"] - r["connections_after"]) for r in st.get("proposal") or [])
             return min(1.0, int(st.get("evicted", {}).get("connections", 0)) / total) if total else 0.0
         if kind == "move":

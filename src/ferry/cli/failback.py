@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import JsonOpt, MetricsPortOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
 from ferry.cli.render import (
     count_or_unknown,
     err,
@@ -20,6 +20,7 @@ from ferry.cli.render import (
     progress_bar,
     redelivered_warning,
 )
+from ferry.jobs.shared.metrics import EventMetrics
 
 # -- failback -------------------------------------------------------------------------------
 
@@ -54,6 +55,7 @@ def failback_cmd(
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
+    metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Move the messages left on the DR cluster's federated queues to the main cluster, pulling none from upstream."""
@@ -102,7 +104,7 @@ def failback_cmd(
                 elif event in ("resume", "upstream-disabled", "upstream-restored"):
                     plain_event(event, **data)
 
-            report = run(failback(topo, req, emit, spark))
+            report = run(failback(topo, req, EventMetrics("dr_failback", metrics_port).wrap(emit), spark))
     except KeyboardInterrupt:
         if begun:
             err.print(interrupted_note(source, target, engine, begun), highlight=False)

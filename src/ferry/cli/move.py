@@ -6,8 +6,19 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.cli.options import PLAIN, AccountOpt, JsonOpt, TopologyOpt, open_topology, run, stream_name_arg, via_cluster
+from ferry.cli.options import (
+    PLAIN,
+    AccountOpt,
+    JsonOpt,
+    MetricsPortOpt,
+    TopologyOpt,
+    open_topology,
+    run,
+    stream_name_arg,
+    via_cluster,
+)
 from ferry.cli.render import err, event_line, json_event, out, print_json
+from ferry.jobs.shared.metrics import EventMetrics
 
 # -- move ------------------------------------------------------------------------------------
 
@@ -32,6 +43,7 @@ def move_cmd(
     ] = None,
     account: AccountOpt = None,
     topology: TopologyOpt = None,
+    metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Move JetStream streams to another cluster of the super-cluster, losing nothing."""
@@ -68,7 +80,7 @@ def move_cmd(
         raise UsageError("give one of --to CLUSTER or --to-tags TAG,...")
     tags = [t.strip() for t in (to_tags or "").split(",") if t.strip()]
     req = mv.MoveRequest(stream=stream or "", to=to, to_tags=tags, timeout=timeout, guard=guard, dry_run=dry_run)
-    emit = json_event if as_json else _print_event
+    emit = EventMetrics("move", metrics_port).wrap(json_event if as_json else _print_event)
 
     async def go() -> list[mv.MoveResult]:
         with signals.StopOnSignal() as stop:

@@ -9,8 +9,19 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import PLAIN, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, name_list, open_topology, run
+from ferry.cli.options import (
+    PLAIN,
+    JsonOpt,
+    MetricsPortOpt,
+    SparkMaster,
+    SparkRemote,
+    TopologyOpt,
+    name_list,
+    open_topology,
+    run,
+)
 from ferry.cli.render import err, json_event, out, plain_event, print_json
+from ferry.jobs.shared.metrics import EventMetrics
 from ferry.spark.session import factory
 
 # -- evacuate / rebalance / serve -----------------------------------------------------------
@@ -69,6 +80,7 @@ def node_evacuate(
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
+    metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Empty a node at a set rate (EMQX's evacuation); resumes a persisted one. Returns once it is prohibiting."""
@@ -89,7 +101,7 @@ def node_evacuate(
         dry_run=dry_run,
     )
     spark = factory(spark_master, spark_remote, app_name=f"ferry evacuate {node}")  # relocates classic queues
-    report = run(evacuate(topo, req, _Ticker(as_json), spark=spark))
+    report = run(evacuate(topo, req, EventMetrics("evacuation", metrics_port).wrap(_Ticker(as_json)), spark=spark))
     if as_json:
         print_json(report)
         return
@@ -209,6 +221,7 @@ def cluster_rebalance(
         bool, typer.Option("--execute", help="Carry the proposal out (default: only print it).")
     ] = False,
     topology: TopologyOpt = None,
+    metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Propose moving clients and leaders from busy nodes to idle ones; --execute carries it out."""
@@ -228,7 +241,7 @@ def cluster_rebalance(
         sess_evict_rate=sess_evict_rate,
         execute=execute,
     )
-    r = run(rebalance(open_topology(topology), req, _Ticker(as_json)))
+    r = run(rebalance(open_topology(topology), req, EventMetrics("rebalance", metrics_port).wrap(_Ticker(as_json))))
     if as_json:
         print_json(r)
     else:

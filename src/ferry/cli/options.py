@@ -24,6 +24,10 @@ TopologyOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(help="Serve the running job's own figures as Prometheus metrics on 127.0.0.1:PORT/metrics."),
+]
 AccountOpt = Annotated[
     str | None,
     typer.Option("--account", help="NATS account: one of the cluster's `accounts` (default: its credentials)."),

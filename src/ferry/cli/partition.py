@@ -9,8 +9,19 @@ from typing import Annotated, Any
 
 import typer
 
-from ferry.cli.options import PLAIN, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run, via_cluster
+from ferry.cli.options import (
+    PLAIN,
+    JsonOpt,
+    MetricsPortOpt,
+    SparkMaster,
+    SparkRemote,
+    TopologyOpt,
+    open_topology,
+    run,
+    via_cluster,
+)
 from ferry.cli.render import err, event_line, json_event, out, print_json, progress_bar
+from ferry.jobs.shared.metrics import EventMetrics
 from ferry.spark.session import factory
 
 # -- proof: load, snapshot, audit -----------------------------------------------------------
@@ -159,6 +170,7 @@ def partition_apply(
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
+    metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Claim MAP's subjects and create or update one stream per partition capturing exactly its patterns."""
@@ -192,7 +204,7 @@ def partition_apply(
                 execute=execute,
                 dry_run=dry_run,
                 force=force,
-                emit=emit,
+                emit=EventMetrics("partition", metrics_port).wrap(emit),
                 spark=spark,
             )
         )

@@ -1,0 +1,161 @@
+"""What `/metrics` and the console make of the journals serve has read: pure logic, states injected
+(the real brokers, Prometheus and Chromium are in test_console.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ferry.api.audits import Audits
+from ferry.api.console import view
+from ferry.api.metrics import JournalCollector
+from ferry.api.watch import Registry, kind_of
+from ferry.jobs.shared.metrics import EventMetrics
+from ferry.journal import Journal
+from ferry.topology import load_topology
+from tests.helpers import VALID
+
+TWO_CLUSTERS = VALID.replace(
+    "  dr:\n",
+    """      west:
+        kind: nats
+        credentials: {user: app, password_env: FERRY_T_APP}
+        brokers:
+          - name: west-1
+            url: nats://127.0.0.1:4223
+  dr:
+""",
+)
+assert "west-1" in TWO_CLUSTERS
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Registry:
+    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
+        monkeypatch.setenv(var, "secret")
+    path = tmp_path / "t.yaml"
+    path.write_text(TWO_CLUSTERS)
+    return Registry(load_topology(path))
+
+
+def scrape(reg: Registry) -> str:
+    r = CollectorRegistry(auto_describe=False)
+    r.register(JournalCollector(reg, Audits(None)))
+    return generate_latest(r).decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and ",".join(sorted(line[len(name) + 1 : line.index("}")].split(","))) == want:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry) -> None:
+    now = time.time()
+    move = {"phase": "done", "started": now - 30, "result": {"missed": 12, "reinjected": 12, "unavailable_s": 0.03}}
+    evac = {
+        "kind": "evacuation", "cluster": "east", "node": "east-1", "state": "evicting_conns", "since": now - 5,
+        "initial": {"connections": 40}, "evicted": {"connections": 10},
+    }  # fmt: skip
+    relay = {
+        "source": "nyc", "dest": "sfo", "desired": "running", "state": "relaying", "lease": 5,
+        "owner": Journal.owner(), "heartbeat": now, "progress_at": now,
+        "progress": {"ORDERS": {"relayed": 90, "source_last": 100, "lag": 10, "lag_s": 1.5, "rate": 20.0}},
+    }  # fmt: skip
+    failback = {
+        "phase": "transferring", "source": "ltm", "target": "pc1",
+        "queues": [{"vhost": "/", "queue": "q1", "before": 100}], "duplicates": {"%2F/q1": 3},
+        "upstreams": [{"value": {"uri": "amqp://ferry:hunter2@pc1"}}],
+    }  # fmt: skip
+    # the clusters of one NATS site read one bucket: the move is seen through east and west
+    registry.states = {
+        "east": {"move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay},
+        "west": {"move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay},
+        "ltm": {"dr-failback": failback},
+    }
+    registry.read_at = dict.fromkeys(registry.states, time.monotonic())
+    registry.live["queues:ltm"] = (now, {("/", "q1"): 25})
+    text = scrape(registry)
+    assert sample(text, "ferry_operations", kind="move", state="done") == 1
+    assert sample(text, "ferry_operations", kind="evacuation", state="evicting_conns") == 1
+    assert sample(text, "ferry_operations", kind="relay", state="relaying") == 1
+    assert sample(text, "ferry_operations", kind="dr_failback", state="transferring") == 1
+    assert sample(text, "ferry_operations", kind="rebalance", state="waiting_takeover") == 0  # every state, even unused
+    assert sample(text, "ferry_move_missed_total", stream="ORDERS") == 12
+    assert sample(text, "ferry_operation_progress_ratio", kind="evacuation", id="east/east-1") == 0.25
+    assert sample(text, "ferry_operation_progress_ratio", kind="dr_failback", id="ltm->pc1") == 0.75
+    assert sample(text, "ferry_node_available", cluster="east", node="east-1") == 0
+    assert sample(text, "ferry_node_available", cluster="west", node="west-1") == 1
+    assert sample(text, "ferry_relay_lag_messages", **{"from": "nyc", "to": "sfo", "stream": "ORDERS"}) == 10
+    assert sample(text, "ferry_relay_active", **{"from": "nyc", "to": "sfo"}) == 1
+    assert sample(text, "ferry_failback_messages_left", vhost="/", queue="q1") == 25
+    assert sample(text, "ferry_failback_duplicates_total", vhost="/", queue="q1") == 3
+    assert "hunter2" not in text and "hunter2" not in str(view(registry, Audits(None)))
+    # a relay whose owner died: not active, its lag read at the source instead of its last report
+    registry.states["east"]["relay.nyc.sfo"] = {**relay, "heartbeat": now - 60}
+    registry.live["lag:relay.nyc.sfo"] = (now, {"ORDERS": {"relayed": 90, "source_last": 130, "lag": 40, "lag_s": 9.0}})
+    text = scrape(registry)
+    assert sample(text, "ferry_relay_active", **{"from": "nyc", "to": "sfo"}) == 0
+    assert sample(text, "ferry_relay_lag_messages", **{"from": "nyc", "to": "sfo", "stream": "ORDERS"}) == 40
+
+
+def test_only_evacuations_and_rebalances_of_its_own_cluster_are_adopted(registry: Registry) -> None:
+    dead = {"owner": {"host": "elsewhere", "pid": 1}, "heartbeat": time.time() - 60}
+    registry.states = {
+        "east": {
+            "move.ORDERS": {**dead, "phase": "moving"},  # a move is resumed by rerunning it, never by serve
+            "relay.nyc.sfo": {**dead, "state": "relaying"},
+            "evacuation.east.east-1": {**dead, "kind": "evacuation", "cluster": "east", "node": "east-1"},
+        },
+        "west": {"evacuation.east.east-1": {**dead, "kind": "evacuation", "cluster": "east", "node": "east-1"}},
+    }
+    registry.read_at = dict.fromkeys(registry.states, time.monotonic())
+    assert [(c, k) for c, k, _ in registry.orphans()] == [("east", "evacuation.east.east-1")]
+    assert kind_of("site-failback", {}) == "site_failback" and kind_of("site", {}) == "site_failover"
+
+
+def test_a_changes_of_state_is_an_event_once_whichever_cluster_saw_it(registry: Registry) -> None:
+    registry._saw("east", {}, {"move.A": {"phase": "moving"}})
+    registry._saw("west", {}, {"move.A": {"phase": "moving"}})
+    registry._saw("east", {"move.A": {"phase": "moving"}}, {})
+    assert [(e[1], e[2], e[3], e[4]) for e in registry.events] == [
+        ("move", "A", None, "moving"),
+        ("move", "A", "moving", None),
+    ]
+
+
+def test_a_jobs_own_metrics_are_its_events_numbers_only() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    m = EventMetrics("evacuation", None)
+    emit = m.wrap(lambda event, **data: seen.append((event, data)))
+    emit("evicted", connections=5, left=20, node="east-1", ok=True)
+    emit("evicted", connections=3, left=17, node="east-1")
+    assert seen[1] == ("evicted", {"connections": 3, "left": 17, "node": "east-1"})
+    r = CollectorRegistry(auto_describe=False)
+    r.register(m)  # type: ignore[arg-type]
+    text = generate_latest(r).decode()
+    assert sample(text, "ferry_job_events_total", kind="evacuation", event="evicted") == 2
+    assert sample(text, "ferry_job_event_value", kind="evacuation", event="evicted", field="left") == 17
+    assert "east-1" not in text and 'field="ok"' not in text
+
+
+def test_audit_reports_are_read_from_the_folder_and_nothing_outside_it(tmp_path) -> None:
+    import json
+
+    (tmp_path / "a.html").write_text("<html></html>")
+    (tmp_path / "a.json").write_text(json.dumps({"tiers": {"west": {"lost": 2}}, "sent": {"sent": 10}, "pass": False}))
+    (tmp_path / "not-audit.json").write_text("[1, 2]")
+    os.utime(tmp_path / "a.json")
+    audits = Audits(tmp_path)
+    (only,) = audits.reports()
+    assert only["name"] == "a" and only["tiers"]["west"]["lost"] == 2 and only["sent"] == 10 and not only["pass"]
+    assert audits.html("a") == tmp_path / "a.html" and audits.html("../a") is None
+    r = CollectorRegistry(auto_describe=False)
+    r.register(audits)  # type: ignore[arg-type]
+    assert sample(generate_latest(r).decode(), "ferry_audit_messages", tier="west", outcome="lost") == 2
