@@ -20,7 +20,7 @@ from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER
 from ferry.jobs.evacuate.plan import EVACUATION, REBALANCE
 from ferry.jobs.move.plan import MOVE
 from ferry.jobs.replicate.control import status_row
-from ferry.jobs.replicate.plan import RELAY, lags
+from ferry.jobs.replicate.plan import RELAY, backlog_from, lags
 from ferry.journal import Journal, KvJournal, ParamJournal, owner_alive, running_here
 from ferry.topology import NatsCluster, RabbitCluster, Topology
 
@@ -198,12 +198,9 @@ class Registry:
 
     async def _lag(self, st: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """A replication no relay is running: its backlog at the source now."""
-        marker = st.get("marker") or {}
-        relayed = {
-            s: int(marker.get(s) or (p or {}).get("relayed") or 0) for s, p in (st.get("progress") or {}).items()
-        }
+        relayed, foreign = backlog_from(st)
         async with bnats.session(self.topo.nats(st["source"]), name=st["source"], client_name=f"{CONTROL}-serve") as nc:
-            return await lags(nc, relayed)
+            return await lags(nc, relayed, foreign)
 
     async def _queues(self, cname: str) -> dict[tuple[str, str], int]:
         async with open_nodes(cname, self.clusters[cname], avoid=[]) as nodes:

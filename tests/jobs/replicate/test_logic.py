@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferry.jobs.replicate.plan import Held, Replication, replicable
+from ferry.jobs.replicate.plan import Held, Replication, backlog_from, replicable
 from ferry.spark.session import spark_error
 
 
@@ -86,3 +86,11 @@ def test_a_failed_relay_query_is_told_by_its_cause() -> None:
         "\tat org.apache.spark.sql.execution.python.PythonStreamingSourceRunner.latestOffset(x.scala:1)\n"
     )
     assert str(spark_error(Exception(text))) == "cannot connect to nyc: connection refused"
+
+
+def test_a_stopped_replication_stands_at_its_marker_else_at_its_last_progress_less_what_is_foreign() -> None:
+    after_failback = {"progress": {"A": {"relayed": 100, "foreign": 40}, "B": {"relayed": 7}}}
+    assert backlog_from(after_failback) == ({"A": 100, "B": 7}, {"A": 40, "B": 0})
+    # a graceful stop's marker is exact: nothing after it is taken for foreign
+    stopped = {**after_failback, "marker": {"A": 150}}
+    assert backlog_from(stopped) == ({"A": 150, "B": 7}, {"B": 0})

@@ -344,7 +344,10 @@ def test_site_failover_and_failback_keep_every_acked_message_once(
         for site in ("nyc", "sfo"):
             assert stream_count(topo, site, "CYC") == replicated + cyc["rpo"] + at_sfo
         again = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
-        assert any(s.get("source") == "nyc" and s.get("desired") == "running" for s in again)
+        (forth,) = [s for s in again if s.get("source") == "nyc"]
+        assert forth["desired"] == "running", forth
+        # nothing left to relay: the messages brought back from sfo are not lag (issue 47, point 6)
+        assert forth["progress"]["CYC"]["lag"] == 0 and forth["progress"]["CYC"]["lag_at"] == "now", forth
         ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
     finally:
         relay.close()

@@ -13,6 +13,7 @@ from ferry.errors import Conflict, FerryError, NotFound
 from ferry.jobs.replicate.plan import (
     RELAY,
     Replication,
+    backlog_from,
     check,
     ensure_streams,
     first_line,
@@ -28,11 +29,18 @@ from ferry.topology import NatsCluster, Topology
 PROGRESS_STALE = 10.0  # seconds: older progress of a live relay shows no current rate in `status`
 
 
-async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_marker: bool = True) -> dict[str, Any]:
+async def start(
+    topo: Topology,
+    rep: Replication,
+    dry_run: bool = False,
+    keep_marker: bool = True,
+    progress: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Define (or re-enable) a replication at its destination; create missing destination streams.
 
     A stop marker of the same replication is kept (the relay starts there) unless `keep_marker` is
-    False (something else wrote to the destination since: it must be scanned)."""
+    False (something else wrote to the destination since: it must be scanned). `progress`: where
+    it stands now, for `status` and lag until a relay reports (a site fail-back knows it)."""
     check(topo, rep)
     streams = await streams_at(site_cluster(topo, rep.source), rep.streams, rep.source)
     dest_streams = {s: rep.dest_stream(s) for s in streams}
@@ -57,6 +65,8 @@ async def start(topo: Topology, rep: Replication, dry_run: bool = False, keep_ma
             new["marker"], new["progress"] = None, None  # positions in other streams
         elif not keep_marker:
             new["marker"] = None
+        if progress is not None:
+            new["progress"], new["progress_at"] = progress, time.time()
         j.state = new
         await j.save(release=True)
     return {**new, "dest_streams": dest_streams, "created": created}
@@ -132,11 +142,10 @@ async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
     (``lag_at`` "now"), instead of showing the last relay's figures (left as they were, with
     ``lag_at`` "last relay", when the source does not answer). A graceful stop's marker is the
     exact position (the last progress report may be a second older)."""
-    marker = row.get("marker") or {}
-    relayed = {s: int(marker.get(s) or p.get("relayed") or 0) for s, p in row["progress"].items()}
+    relayed, foreign = backlog_from(row)
     try:
         async with site_session(topo, row["source"], timeout=2) as nc:
-            fresh = await lags(nc, relayed)
+            fresh = await lags(nc, relayed, foreign)
     except Exception:
         for p in row["progress"].values():
             p["lag_at"] = "last relay"

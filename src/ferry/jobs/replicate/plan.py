@@ -216,19 +216,33 @@ async def site_journal(topo: Topology, site: str, key: str, stale_after: float =
         yield j
 
 
-async def lags(nc: Any, relayed: dict[str, int]) -> dict[str, dict[str, Any]]:
+async def lags(nc: Any, relayed: dict[str, int], foreign: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Per source stream: the last relayed sequence, the stream's last, and the backlog between
-    them in messages and in seconds (the age of the oldest message not relayed yet)."""
+    them in messages and in seconds (the age of the oldest message not relayed yet). `foreign`:
+    how many messages after the relayed sequence the relay will not relay (the other site's, a
+    site fail-back wrote there): not backlog. With some left, the age may be a foreign one's."""
     jsm, out = nc.jsm(timeout=2), {}
     for s, r in relayed.items():
         last = (await jsm.stream_info(s)).state.last_seq
+        lag = max(0, last - r - (foreign or {}).get(s, 0))
         lag_s = 0.0
-        if last > r:  # the oldest message not relayed yet (r + 1 itself may be deleted or expired)
+        if lag:  # the oldest message not relayed yet (r + 1 itself may be deleted or expired)
             with contextlib.suppress(Exception):
                 oldest = await jsm.get_msg(s, r + 1, subject=">", next=True)
                 lag_s = max(0.0, time.time() - oldest.time.timestamp())
-        out[s] = {"relayed": r, "source_last": last, "lag": last - r, "lag_s": round(lag_s, 3)}
+        out[s] = {"relayed": r, "source_last": last, "lag": lag, "lag_s": round(lag_s, 3)}
     return out
+
+
+def backlog_from(state: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """Where a replication no relay runs stands, per stream: (relayed, foreign) for :func:`lags`.
+    A graceful stop's marker is the exact position; else the last progress on record (a site
+    fail-back writes it: everything up to ``relayed`` is at the destination, and ``foreign``
+    messages after it are the other site's)."""
+    marker, progress = state.get("marker") or {}, state.get("progress") or {}
+    relayed = {s: int(marker.get(s) or (p or {}).get("relayed") or 0) for s, p in progress.items()}
+    foreign = {s: int((p or {}).get("foreign") or 0) for s, p in progress.items() if not marker.get(s)}
+    return relayed, foreign
 
 
 def first_line(exc: Any) -> str:

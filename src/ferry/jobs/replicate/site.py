@@ -227,18 +227,25 @@ async def _failback(
     await ensure_streams(topo, back, streams)
     spark = await asyncio.to_thread(spark_factory)
     report: dict[str, Any] = {"primary_was": primary, "to": to, "streams": {}}
+    progress: dict[str, dict[str, Any]] = {}  # where TO -> primary stands once reconciled
     for s in streams:
         if lease.lost.is_set():  # its key unsaved too long: another failback may have begun
             raise Conflict(f"the failback to {to} lost its hold on {to}'s journal (no answer); run it again")
         # what TO acked but never relayed before it failed (the RPO), then what was written at `primary`
         rpo = await asyncio.to_thread(count_after, spark, topo, forth, s, int(fo["replicated"][s]))
+        async with site_session(topo, to) as nc:  # TO's own messages up to here are at `primary` once sent forth
+            read_to = (await nc.jsm().stream_info(s)).state.last_seq
         sent_forth = await asyncio.to_thread(send_missing, spark, topo, forth, s)
         sent_back = await asyncio.to_thread(send_missing, spark, topo, back, s)
+        # after `read_to`, TO holds what was brought back (never relayed forth) and any new writes
+        progress[s] = {"relayed": read_to, "foreign": sent_back}
         report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back}
         emit("reconciled", stream=s, **report["streams"][s])
     # defined again before the records say TO is primary: a failback cut short between the two
     # finds its record on a rerun, instead of leaving TO -> other undefined
-    again = await start(topo, forth, keep_marker=False)  # the reconciliation moved its position
+    # the reconciliation moved its position: the next relay scans; until one reports, the lag
+    # counts only what it will relay (not the messages brought back from `primary`)
+    again = await start(topo, forth, keep_marker=False, progress=progress)
     new = {"primary": to, "failback": {"from": primary, "at": time.time()}}
     for site in (to, primary):
         await _save_site(topo, site, new)
