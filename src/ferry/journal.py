@@ -319,7 +319,8 @@ class ParamJournal(Journal):
         """Keys matching NATS-style patterns (``*`` one token, ``>`` the rest)."""
         from ferry.subjects import matches
 
-        names = [p["name"].removeprefix(self.prefix) for p in await self.m.get("/global-parameters") or []]
+        found = await self.m.get("/global-parameters") or []
+        names = [p["name"].removeprefix(self.prefix) for p in found if p["name"].startswith(self.prefix)]
         return [n for n in names if any(matches(pat, n) for pat in patterns)]
 
     async def save(self, release: bool = False, **changes: Any) -> None:

@@ -267,6 +267,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     # queue after they may have reached the target, so the rerun counts its queue as possible duplicates
     left = asyncio.run(_leftovers(topo))
     assert left["journal"]["value"]["phase"] == "transferring"
+    _serve_shows_the_failback(topo)
 
     def still_to_move(shovel: dict[str, Any]) -> int:
         return asyncio.run(queue_depth(topo, "ltm", shovel["vhost"], shovel["value"]["src-queue"]))
@@ -286,6 +287,35 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     _assert_done(dr)
     assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
+
+
+def _serve_shows_the_failback(topo: Any) -> None:
+    """`ferry serve` (in process, on the real brokers) shows the fail-back on record: its phase, the
+    messages left in each queue and its progress, and never the upstreams' passwords its record holds."""
+    from fastapi.testclient import TestClient
+
+    from ferry.api import create_app
+
+    with TestClient(create_app(topo, None, public_read=True)) as client:
+
+        def shown() -> str | None:
+            text = client.get("/metrics").text
+            return (
+                text
+                if 'ferry_operations{kind="dr_failback",state="transferring"} 1.0' in text
+                and ("ferry_failback_messages_left{" in text)
+                else None
+            )
+
+        text = wait_for(shown, 20, "serve's /metrics to show the fail-back")
+        left = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("ferry_failback_messages_left{")]
+        assert len(left) == 10 and 0 < sum(left) < 10 * PER_QUEUE, left
+        assert 'ferry_operation_progress_ratio{id="ltm->pc1",kind="dr_failback"}' in text
+        (op,) = [o for o in client.get("/api/console").json()["operations"] if o["kind"] == "dr_failback"]
+        assert op["state"] == "transferring" and "message(s) left" in op["detail"], op
+        for cluster in ("ltm", "pc1"):
+            password = topo.rabbitmq(cluster).credentials.password()
+            assert password not in text and password not in client.get("/api/console").text
 
 
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
