@@ -193,9 +193,11 @@ def test_up_twice_is_harmless_and_status_reports(supercluster: lab.LabState, lab
     nats = [r for r in rows if r["kind"] == "nats"]
     assert {r["server"] for r in nats} == {f"{c}-{i}" for c in ("east", "west") for i in (1, 2, 3)}
     assert all(r["running"] and r["health"] == "ok" and r["ports"]["client"] > 0 for r in nats)
-    assert {r["server"]: r["health"] for r in rows if r["kind"] != "nats"} == {"ferry-serve": "ok", "haproxy": "ok"}
+    health = {r["server"]: r["health"] for r in rows if r["kind"] != "nats"}
+    assert health == {"ferry-serve": "ok", "haproxy": "ok", "prometheus": "ok"}
     ports = {r["server"]: r["ports"] for r in rows if r["kind"] != "nats"}
     assert ports["ferry-serve"]["http"] == int(supercluster.lb["serve"].rsplit(":", 1)[1])
+    assert ports["prometheus"]["http"] == int(supercluster.lb["prometheus"].rsplit(":", 1)[1])
     assert set(ports["haproxy"]) == {"east_nats", "east_mqtt", "west_nats", "west_mqtt", "stats"}
 
 

@@ -384,6 +384,8 @@ def _ports(state: LabState, name: str) -> dict[str, int]:
     if name == "haproxy" and lb:
         fronts = {f"{c}_{k}": urlsplit(u).port or 0 for c, urls in lb["clusters"].items() for k, u in urls.items()}
         return {**fronts, "stats": urlsplit(lb["stats"]).port or 0}
+    if name == "prometheus" and "prometheus" in lb:
+        return {"http": urlsplit(lb["prometheus"]).port or 0}
     return {}
 
 
