@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from ferry.api.watch import STATES, Registry, operation_id, relaying, state_of
 from ferry.brokers.rabbitmq import queue_path
 from ferry.jobs.evacuate.plan import unavailable
+from ferry.jobs.replicate.relay import RelayFamilies
 
 
 class JournalCollector(Collector):
@@ -64,15 +65,7 @@ class JournalCollector(Collector):
             "1 when the availability check answers 200 for the node, 0 when 503",
             labels=["cluster", "node"],
         )
-        relay = ["from", "to", "stream"]
-        lag = GaugeMetricFamily("ferry_relay_lag_messages", "Source messages the relay has yet to relay", labels=relay)
-        lag_s = GaugeMetricFamily(
-            "ferry_relay_lag_seconds", "Age of the oldest message the relay has yet to relay", labels=relay
-        )
-        relayed = CounterMetricFamily("ferry_relay_relayed", "Last source sequence relayed", labels=relay)
-        active = GaugeMetricFamily(
-            "ferry_relay_active", "1 while a live relay holds the replication's lease", labels=["from", "to"]
-        )
+        relay = RelayFamilies()
         left = GaugeMetricFamily(
             "ferry_failback_messages_left", "Messages left in a queue a DR fail-back drains", labels=["vhost", "queue"]
         )
@@ -121,13 +114,10 @@ class JournalCollector(Collector):
             elif kind == "relay" and st.get("source"):
                 src, dst = str(st["source"]), str(st["dest"])
                 figures, at = reg.relay_progress(st)
-                active.add_metric([src, dst], 1.0 if relaying(st) else 0.0)
+                relay.active.add_metric([src, dst], 1.0 if relaying(st) else 0.0)
                 started.add_metric([src, dst], 1.0 if st.get("desired") == "running" else 0.0)
                 for stream, p in sorted(figures.items()):
-                    relayed.add_metric([src, dst, stream], float(p.get("relayed") or 0))
-                    if p.get("lag") is not None:
-                        lag.add_metric([src, dst, stream], float(p["lag"]))
-                        lag_s.add_metric([src, dst, stream], float(p.get("lag_s") or 0))
+                    relay.add(src, dst, stream, p)
                 if at:
                     age.add_metric([f"relay:{src}->{dst}"], max(0.0, now - float(at)))
             elif kind == "dr_failback":
@@ -147,6 +137,6 @@ class JournalCollector(Collector):
             if cname in reg.read_at:
                 journal_age.add_metric([cname], time.monotonic() - reg.read_at[cname])
         yield from (ops, ratio, missed, reinjected, unavail, conns, evicted, available)
-        yield from (in_state, lag, lag_s, relayed, active, started, left, dups, age, journal_age)
+        yield from (in_state, *relay, started, left, dups, age, journal_age)
         if self.audits is not None:
             yield from self.audits.collect()

@@ -21,7 +21,7 @@ from ferry.brokers import nats as bnats
 from ferry.brokers import transient
 from ferry.brokers.nats.reader import ReadConfig
 from ferry.brokers.nats.writer import WriteConfig, write_batches
-from ferry.errors import ConfigError, FerryError, NotFound
+from ferry.errors import FerryError, NotFound
 from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
 from ferry.jobs.replicate.plan import (
     CONTROL,
@@ -38,6 +38,7 @@ from ferry.jobs.replicate.plan import (
     took_over,
 )
 from ferry.jobs.shared.events import Emit, no_emit
+from ferry.jobs.shared.metrics import serve_metrics
 from ferry.journal import Lease, process_start
 from ferry.spark.jetstream import stream_frame
 from ferry.spark.options import COUNTS_DDL
@@ -399,46 +400,58 @@ class Metrics:
     journal (``dashboards/ferry.json`` relies on them)."""
 
     def __init__(self, port: int | None) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
-
         self.rep: Replication | None = None
         self.progress: dict[str, dict[str, Any]] = {}
         self.active = False
-        if port is None:  # the families only (their names are checked against the dashboard)
-            return
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)  # type: ignore[arg-type]
-        try:
-            start_http_server(port, addr="127.0.0.1", registry=registry)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {port}: {exc.strerror}") from None
+        if port is not None:  # None: the families only (their names are checked against the dashboard)
+            serve_metrics(self, port)
 
     def update(self, rep: Replication, progress: dict[str, dict[str, Any]]) -> None:
         self.rep, self.progress, self.active = rep, dict(progress), True
 
     def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        fams = RelayFamilies()
+        rate = GaugeMetricFamily("ferry_relay_rate", "Source sequences relayed per second", labels=fams.LABELS)
+        if self.rep:
+            fams.active.add_metric([self.rep.source, self.rep.dest], 1.0 if self.active else 0.0)
+            for stream, p in sorted(self.progress.items()):
+                fams.add(self.rep.source, self.rep.dest, stream, p)
+                rate.add_metric([self.rep.source, self.rep.dest, stream], float(p["rate"]))
+        yield from (*fams, rate)
+
+
+class RelayFamilies:
+    """The ``ferry_relay_*`` families, as a relay serves them and as ``ferry serve`` does from the
+    journals (one definition of their names and help)."""
+
+    LABELS = ["from", "to", "stream"]
+
+    def __init__(self) -> None:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        labels = ["from", "to", "stream"]
-        relayed = CounterMetricFamily("ferry_relay_relayed", "Last source sequence relayed", labels=labels)
-        lag = GaugeMetricFamily("ferry_relay_lag_messages", "Source messages the relay has yet to relay", labels=labels)
-        lag_s = GaugeMetricFamily(
-            "ferry_relay_lag_seconds", "Age of the oldest message the relay has yet to relay", labels=labels
+        self.relayed = CounterMetricFamily("ferry_relay_relayed", "Last source sequence relayed", labels=self.LABELS)
+        self.lag = GaugeMetricFamily(
+            "ferry_relay_lag_messages", "Source messages the relay has yet to relay", labels=self.LABELS
         )
-        rate = GaugeMetricFamily("ferry_relay_rate", "Source sequences relayed per second", labels=labels)
-        active = GaugeMetricFamily(
-            "ferry_relay_active", "1 while this process holds the replication's lease", labels=["from", "to"]
+        self.lag_s = GaugeMetricFamily(
+            "ferry_relay_lag_seconds", "Age of the oldest message the relay has yet to relay", labels=self.LABELS
         )
-        if self.rep:
-            active.add_metric([self.rep.source, self.rep.dest], 1.0 if self.active else 0.0)
-            for stream, p in sorted(self.progress.items()):
-                at = [self.rep.source, self.rep.dest, stream]
-                relayed.add_metric(at, float(p["relayed"]))
-                rate.add_metric(at, float(p["rate"]))
-                if p["lag"] is not None:
-                    lag.add_metric(at, float(p["lag"]))
-                    lag_s.add_metric(at, float(p["lag_s"]))
-        yield from (relayed, lag, lag_s, rate, active)
+        self.active = GaugeMetricFamily(
+            "ferry_relay_active", "1 while a live relay holds the replication's lease", labels=["from", "to"]
+        )
+
+    def add(self, source: str, dest: str, stream: str, p: dict[str, Any]) -> None:
+        """One stream's progress (``relayed``, ``lag``, ``lag_s``; a lag None is unknown: left out)."""
+        at = [source, dest, stream]
+        self.relayed.add_metric(at, float(p.get("relayed") or 0))
+        if p.get("lag") is not None:
+            self.lag.add_metric(at, float(p["lag"]))
+            self.lag_s.add_metric(at, float(p.get("lag_s") or 0))
+
+    def __iter__(self) -> Any:
+        return iter((self.relayed, self.lag, self.lag_s, self.active))
 
 
 def count_after(spark: Any, topo: Topology, rep: Replication, stream: str, after: int) -> int:

@@ -17,25 +17,29 @@ from ferry.errors import ConfigError
 from ferry.jobs.shared.events import Emit
 
 
+def serve_metrics(collector: Any, port: int) -> None:
+    """Serve `collector`'s families on 127.0.0.1:`port`/metrics from a thread, for the process's life."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    try:
+        start_http_server(port, addr="127.0.0.1", registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port}: {exc.strerror}") from None
+
+
 class EventMetrics:
     """The events of job `job` as Prometheus families (label ``kind``, as in ``ferry_operations``;
     ``job`` is Prometheus's own), served on `port` (None: not served)."""
 
     def __init__(self, job: str, port: int | None) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
-
         self.job = job
         self.counts: dict[str, int] = {}
         self.last: dict[str, tuple[float, dict[str, float]]] = {}  # event -> (time, its numeric fields)
         self.lock = threading.Lock()
-        if port is None:
-            return
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)  # type: ignore[arg-type]
-        try:
-            start_http_server(port, addr="127.0.0.1", registry=registry)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {port}: {exc.strerror}") from None
+        if port is not None:
+            serve_metrics(self, port)
 
     def wrap(self, emit: Emit) -> Emit:
         """`emit`, recording each event here first."""
