@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -159,3 +160,31 @@ def test_audit_reports_are_read_from_the_folder_and_nothing_outside_it(tmp_path)
     r = CollectorRegistry(auto_describe=False)
     r.register(audits)  # type: ignore[arg-type]
     assert sample(generate_latest(r).decode(), "ferry_audit_messages", tier="west", outcome="lost") == 2
+
+
+def test_metrics_and_api_docs_answer_at_once_offline_with_no_broker_answering(tmp_path, monkeypatch) -> None:
+    """Nothing listens where the topology points: /metrics still answers at once (from what serve
+    has, here nothing), the console's data needs the token, and the API docs load no script from
+    a CDN (an air-gapped operations network)."""
+    from fastapi.testclient import TestClient
+
+    from ferry.api import create_app
+
+    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
+        monkeypatch.setenv(var, "secret")
+    path = tmp_path / "t.yaml"
+    path.write_text(VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1"))
+    with TestClient(create_app(load_topology(path), "tok")) as client:
+        auth = {"Authorization": "Bearer tok"}
+        t0 = time.monotonic()
+        got = client.get("/metrics", headers=auth)
+        assert got.status_code == 200 and time.monotonic() - t0 < 1.0
+        assert 'ferry_node_available{cluster="east",node="east-1"} 1.0' in got.text  # fails open, as the check
+        assert client.get("/metrics").status_code == 401 and client.get("/api/console").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+        docs = client.get("/docs").text
+        assert "cdn" not in docs.lower()
+        scripts = re.findall(r'src="([^"]+)"', docs)
+        assert scripts and all(client.get(s).status_code == 200 for s in scripts), scripts
+        page = client.get("/")
+        assert page.status_code == 200 and "console.js" in page.text  # the page itself holds no data
