@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from ferry.api.audits import Audits
 from ferry.api.console import view
-from ferry.api.metrics import JournalCollector
+from ferry.api.metrics import JournalCollector, render
 from ferry.api.watch import Registry, kind_of
 from ferry.jobs.shared.metrics import EventMetrics
 from ferry.journal import Journal
@@ -43,10 +43,24 @@ def registry(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Registry:
     return Registry(load_topology(path))
 
 
+class Fixed:
+    """A collector of families made once (the same values for both renderings)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
 def scrape(reg: Registry) -> str:
+    """/metrics's text, checked equal to what prometheus_client writes for the same families."""
+    families = list(JournalCollector(reg, Audits(None)).collect())
     r = CollectorRegistry(auto_describe=False)
-    r.register(JournalCollector(reg, Audits(None)))
-    return generate_latest(r).decode()
+    r.register(Fixed(families))  # type: ignore[arg-type]
+    text = render(families).decode()
+    assert text == generate_latest(r).decode()
+    return text
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -188,3 +202,19 @@ def test_metrics_and_api_docs_answer_at_once_offline_with_no_broker_answering(tm
         assert scripts and all(client.get(s).status_code == 200 for s in scripts), scripts
         page = client.get("/")
         assert page.status_code == 200 and "console.js" in page.text  # the page itself holds no data
+
+
+def test_the_text_format_escapes_names_from_user_data_as_prometheus_client_does() -> None:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def families() -> list[Any]:
+        g = GaugeMetricFamily("ferry_x", "help with \\ and\nnewline", labels=["queue", "vhost"])
+        g.add_metric(['a "quoted" \\ q\nx', "/"], 1.5)
+        g.add_metric(["é-ü", "v"], float("inf"))
+        c = CounterMetricFamily("ferry_y", "count")
+        c.add_metric([], 3)
+        return [g, c]
+
+    r = CollectorRegistry(auto_describe=False)
+    r.register(Fixed(families()))  # type: ignore[arg-type]
+    assert render(families()) == generate_latest(r)

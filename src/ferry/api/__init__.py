@@ -29,11 +29,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ferry.api.audits import Audits
 from ferry.api.console import view
-from ferry.api.metrics import JournalCollector
+from ferry.api.metrics import JournalCollector, render
 from ferry.api.watch import READ_FRESH, Registry
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.jobs import evacuate as rb
@@ -94,8 +94,7 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
     """The app of `ferry serve`: mutating endpoints need `token`; the console and ``/metrics`` need
     it too unless `public_read` (with no token and no `public_read`, they are off)."""
     reg, audits = Registry(topo), Audits(reports)
-    metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(JournalCollector(reg, audits))
+    metrics = JournalCollector(reg, audits)
     bearer = HTTPBearer(auto_error=False)
 
     def check(cred: HTTPAuthorizationCredentials | None, what: str) -> None:
@@ -145,8 +144,8 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         return view(reg, audits)
 
     @app.get("/metrics", dependencies=[Read], summary="Prometheus metrics of every operation on record")
-    def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+    def prometheus_metrics() -> Response:  # in a thread: the availability checks never wait for a render
+        return Response(render(metrics.collect()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/reports/{name}.html", dependencies=[Read], include_in_schema=False)
     def report(name: str) -> FileResponse:

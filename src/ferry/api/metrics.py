@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ferry.api.watch import STATES, Registry, operation_id, relaying, state_of
 from ferry.brokers.rabbitmq import queue_path
@@ -140,3 +141,29 @@ class JournalCollector(Collector):
         yield from (in_state, *relay, started, left, dups, age, journal_age)
         if self.audits is not None:
             yield from self.audits.collect()
+
+
+def render(families: Iterable[Metric]) -> bytes:
+    """The Prometheus text format (0.0.4) of gauge and counter `families`, byte for byte what
+    ``prometheus_client.generate_latest`` writes for them (a test holds them equal). Written here
+    because the library's spends about 15 µs a line validating and escaping every label name:
+    54 ms of a 70 ms scrape with 1,000 relay streams (bench/RESULTS.md)."""
+    out = []
+    for m in families:
+        name = m.name + "_total" if m.type == "counter" else m.name
+        doc = m.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {m.type}\n")
+        for s in m.samples:
+            value = floatToGoString(s.value)
+            if s.labels:
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                out.append(f"{s.name}{{{labels}}} {value}\n")
+            else:
+                out.append(f"{s.name} {value}\n")
+    return "".join(out).encode()
+
+
+def _escape(value: str) -> str:
+    if "\\" not in value and "\n" not in value and '"' not in value:  # nearly every name
+        return value
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
