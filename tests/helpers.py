@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 from nats.js.api import Placement, StreamConfig
 
 from ferry.brokers import nats as bnats
@@ -327,3 +328,22 @@ def load(topology: Path, site: str, subject: str, ledger: Path, rate: int, secon
     args = ["load", f"jetstream://{site}", "--subject", subject, "--rate", str(rate), *until]
     args += ["--producers", "4", "--ledger", str(ledger), "--json"]
     return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# -- the console's dashboard, asked of a real Prometheus (tests/api/test_console.py, the fail-back tests)
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "dashboards" / "ferry.json"
+# panels whose series need a DR fail-back on record (the RabbitMQ labs): asked in the fail-back tests' lab
+FAILBACK_PANELS = {"DR fail-back: messages left", "DR fail-back: possible duplicates"}
+
+
+def panel_queries() -> dict[str, str]:
+    doc = json.loads(DASHBOARD.read_text())
+    return {f"{p['title']} [{t['refId']}]": t["expr"] for p in doc["panels"] for t in p["targets"]}
+
+
+def prom_query(base: str, expr: str) -> list[dict[str, Any]]:
+    got = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert got["status"] == "success", got
+    return got["data"]["result"]

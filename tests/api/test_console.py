@@ -25,18 +25,20 @@ from ferry.brokers import nats as bnats
 from ferry.lab import prometheus as lab_prometheus
 from ferry.lab.procs import free_ports
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, Relay, ferry, load, make_stream, wait_for
+from tests.helpers import (
+    FAILBACK_PANELS,
+    FERRY,
+    ROOT,
+    Relay,
+    ferry,
+    load,
+    make_stream,
+    panel_queries,
+    prom_query,
+    wait_for,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "dashboards" / "ferry.json"
 ALERTS = ROOT / "dashboards" / "alerts.yml"
-# panels whose series need a DR fail-back on record (the RabbitMQ labs): asked in the fail-back tests' lab
-FAILBACK_PANELS = {"DR fail-back: messages left", "DR fail-back: possible duplicates"}
-
-
-def panel_queries() -> dict[str, str]:
-    doc = json.loads(DASHBOARD.read_text())
-    return {f"{p['title']} [{t['refId']}]": t["expr"] for p in doc["panels"] for t in p["targets"]}
 
 
 def test_promtool_accepts_the_alerts_and_every_panel_reads_a_family_serve_exports() -> None:
@@ -110,12 +112,6 @@ class Clients:
         asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-
-
-def prom_query(base: str, expr: str) -> list[dict[str, Any]]:
-    got = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
-    assert got["status"] == "success", got
-    return got["data"]["result"]
 
 
 @pytest.mark.lab

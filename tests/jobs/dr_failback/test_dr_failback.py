@@ -4,16 +4,20 @@ the messages left on ltm come back to pc1 and none is pulled from art."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
+import httpx
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,11 +25,23 @@ from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.brokers.rabbitmq.queue_io import headers_from_json
 from ferry.jobs.dr_failback.plan import PREFETCH
+from ferry.lab import prometheus as lab_prometheus
 from ferry.lab import rabbitmq as lab_rabbit
+from ferry.lab.procs import free_ports
 from ferry.lab.scenarios import dr_federation, fill_queue
 from ferry.topology import Topology
 from tests.conftest import profile_topology
-from tests.helpers import ferry, ferry_killed_when, judge, queue_depth, wait_for
+from tests.helpers import (
+    FAILBACK_PANELS,
+    FERRY,
+    ferry,
+    ferry_killed_when,
+    judge,
+    panel_queries,
+    prom_query,
+    queue_depth,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
@@ -267,7 +283,6 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     # queue after they may have reached the target, so the rerun counts its queue as possible duplicates
     left = asyncio.run(_leftovers(topo))
     assert left["journal"]["value"]["phase"] == "transferring"
-    _serve_shows_the_failback(topo)
 
     def still_to_move(shovel: dict[str, Any]) -> int:
         return asyncio.run(queue_depth(topo, "ltm", shovel["vhost"], shovel["value"]["src-queue"]))
@@ -277,6 +292,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     asyncio.run(_delete_shovel(topo, ended["vhost"], ended["name"], queue))
     requeued = asyncio.run(queue_depth(topo, "ltm", ended["vhost"], queue))
     assert requeued > 0
+    _serve_shows_the_failback(topology, topo, tmp_path)  # still on record, with queues left
     result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-3000:]  # finished, with possible duplicates
     report = json.loads(result.stdout)
@@ -289,33 +305,45 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
 
 
-def _serve_shows_the_failback(topo: Any) -> None:
-    """`ferry serve` (in process, on the real brokers) shows the fail-back on record: its phase, the
-    messages left in each queue and its progress, and never the upstreams' passwords its record holds."""
-    from fastapi.testclient import TestClient
-
-    from ferry.api import create_app
-
-    with TestClient(create_app(topo, None, public_read=True)) as client:
+def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path) -> None:
+    """`ferry serve` on the real brokers shows the fail-back on record: its phase, the messages left
+    in each queue and its progress, and never the upstreams' passwords its record holds; a real
+    Prometheus scraping it answers the dashboard's fail-back panels."""
+    serve_port, prom_port = free_ports(2)
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    argv = [*FERRY, "serve", "--port", str(serve_port), "--public-read"]
+    serve = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    prom = lab_prometheus.proc(
+        tmp_path / "prometheus", prom_port, {"ferry-serve": [f"127.0.0.1:{serve_port}"]}, None, []
+    )
+    prom.start()
+    url, base = f"http://127.0.0.1:{serve_port}", f"http://127.0.0.1:{prom_port}"
+    try:
 
         def shown() -> str | None:
-            text = client.get("/metrics").text
-            return (
-                text
-                if 'ferry_operations{kind="dr_failback",state="transferring"} 1.0' in text
-                and ("ferry_failback_messages_left{" in text)
-                else None
-            )
+            with contextlib.suppress(httpx.HTTPError):
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                if 'ferry_operations{kind="dr_failback",state="transferring"} 1.0' in text:
+                    return text if "ferry_failback_messages_left{" in text else None
+            return None
 
-        text = wait_for(shown, 20, "serve's /metrics to show the fail-back")
+        text = wait_for(shown, 60, "serve's /metrics to show the fail-back")
         left = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("ferry_failback_messages_left{")]
         assert len(left) == 10 and 0 < sum(left) < 10 * PER_QUEUE, left
         assert 'ferry_operation_progress_ratio{id="ltm->pc1",kind="dr_failback"}' in text
-        (op,) = [o for o in client.get("/api/console").json()["operations"] if o["kind"] == "dr_failback"]
+        console = httpx.get(f"{url}/api/console", timeout=10)
+        (op,) = [o for o in console.json()["operations"] if o["kind"] == "dr_failback"]
         assert op["state"] == "transferring" and "message(s) left" in op["detail"], op
         for cluster in ("ltm", "pc1"):
             password = topo.rabbitmq(cluster).credentials.password()
-            assert password not in text and password not in client.get("/api/console").text
+            assert password not in text and password not in console.text
+        for title, expr in panel_queries().items():
+            if title.split(" [")[0] in FAILBACK_PANELS:
+                wait_for(lambda expr=expr: prom_query(base, expr), 30, f"series for panel {title}: {expr}")
+    finally:
+        serve.terminate()
+        serve.communicate(timeout=30)
+        prom.stop()
 
 
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
