@@ -5,10 +5,14 @@
   load balancer's health check (EMQX's ``load_rebalance/availability_check``);
 - ``/evacuations`` and ``/rebalances``: start (POST), inspect (GET), stop
   (DELETE). Mutating endpoints need ``Authorization: Bearer <token>``;
-- OpenAPI at ``/openapi.json``.
+- ``GET /metrics`` (Prometheus, :mod:`ferry.api.metrics`), ``GET /`` (the operations console)
+  and its data ``GET /api/console`` (:mod:`ferry.api.console`), ``/reports/NAME.html`` (audit
+  reports): the bearer token unless ``--public-read``;
+- OpenAPI at ``/openapi.json``, its docs at ``/docs`` (assets from the package).
 
 The server reads every cluster's journal (NATS: the ``ferry_ops`` bucket; RabbitMQ:
-the ``ferry-ops.*`` global parameters) twice a second, so answers
+the ``ferry-ops.*`` global parameters and the DR fail-back's record) twice a second
+(:mod:`ferry.api.watch`), so answers
 follow the journal whoever wrote it (a CLI, another ``ferry serve``), and it
 drives every journaled operation whose driver died: an evacuation started from
 the CLI is kept ``prohibiting`` here after the CLI returns.
