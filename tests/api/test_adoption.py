@@ -6,22 +6,20 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ferry.api import READ_FRESH, Registry
-from ferry.topology import load_topology
+from ferry.topology import Topology
+from tests.api.conftest import UNREACHABLE
 from tests.helpers import VALID
 
 
 @pytest.fixture
-def registry(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Registry:
-    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
-        monkeypatch.setenv(var, "secret")
-    path = tmp_path / "t.yaml"
-    path.write_text(VALID)
-    return Registry(load_topology(path))
+def registry(topology_of: Callable[[str], Topology]) -> Registry:
+    return Registry(topology_of(VALID))
 
 
 def test_only_a_fresh_read_of_a_dead_owner_is_adopted(registry: Registry) -> None:
@@ -62,18 +60,14 @@ def test_an_owner_running_on_this_host_is_never_adopted(registry: Registry) -> N
         zombie.wait()
 
 
-def test_a_journal_not_read_yet_leaves_every_node_available(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_journal_not_read_yet_leaves_every_node_available(topology_of: Callable[[str], Topology]) -> None:
     """Fail open: a cluster whose journal serve cannot read (here: nothing listens) would else have
     every node answer 503, and the load balancer would take the whole cluster out."""
     from fastapi.testclient import TestClient
 
     from ferry.api import create_app
 
-    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
-        monkeypatch.setenv(var, "secret")
-    path = tmp_path / "t.yaml"
-    path.write_text(VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1"))
-    with TestClient(create_app(load_topology(path), None)) as client:
+    with TestClient(create_app(topology_of(UNREACHABLE), None)) as client:
         for node in ("east-1", "ltm-1"):
             got = client.get(f"/availability_check?node={node}")
             assert got.status_code == 200 and got.json()["reason"] == "journal not read yet", got.text

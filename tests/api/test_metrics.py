@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ from ferry.api.metrics import JournalCollector, render
 from ferry.api.watch import Registry, kind_of
 from ferry.jobs.shared.metrics import EventMetrics
 from ferry.journal import Journal
-from ferry.topology import load_topology
+from ferry.topology import Topology
+from tests.api.conftest import UNREACHABLE
 from tests.helpers import VALID
 
 TWO_CLUSTERS = VALID.replace(
@@ -35,12 +37,8 @@ assert "west-1" in TWO_CLUSTERS
 
 
 @pytest.fixture
-def registry(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Registry:
-    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
-        monkeypatch.setenv(var, "secret")
-    path = tmp_path / "t.yaml"
-    path.write_text(TWO_CLUSTERS)
-    return Registry(load_topology(path))
+def registry(topology_of: Callable[[str], Topology]) -> Registry:
+    return Registry(topology_of(TWO_CLUSTERS))
 
 
 class Fixed:
@@ -176,7 +174,9 @@ def test_audit_reports_are_read_from_the_folder_and_nothing_outside_it(tmp_path)
     assert sample(generate_latest(r).decode(), "ferry_audit_messages", tier="west", outcome="lost") == 2
 
 
-def test_metrics_and_api_docs_answer_at_once_offline_with_no_broker_answering(tmp_path, monkeypatch) -> None:
+def test_metrics_and_api_docs_answer_at_once_offline_with_no_broker_answering(
+    topology_of: Callable[[str], Topology],
+) -> None:
     """Nothing listens where the topology points: /metrics still answers at once (from what serve
     has, here nothing), the console's data needs the token, and the API docs load no script from
     a CDN (an air-gapped operations network)."""
@@ -184,11 +184,7 @@ def test_metrics_and_api_docs_answer_at_once_offline_with_no_broker_answering(tm
 
     from ferry.api import create_app
 
-    for var in ("FERRY_T_APP", "FERRY_T_SYS", "FERRY_T_LTM"):
-        monkeypatch.setenv(var, "secret")
-    path = tmp_path / "t.yaml"
-    path.write_text(VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1"))
-    with TestClient(create_app(load_topology(path), "tok")) as client:
+    with TestClient(create_app(topology_of(UNREACHABLE), "tok")) as client:
         auth = {"Authorization": "Bearer tok"}
         t0 = time.monotonic()
         got = client.get("/metrics", headers=auth)

@@ -165,9 +165,9 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         if read and not read.is_set() and wait > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(read.wait(), wait)
-        if cname not in reg.states:  # a journal that cannot be read must not take every node out of the balancer
+        why = reg.unavailable(cname, node)
+        if why is None:  # a journal that cannot be read must not take every node out of the balancer
             return JSONResponse({"node": node, "cluster": cname, "available": True, "reason": "journal not read yet"})
-        why = rb.unavailable(reg.evacuation_states(cname), cname, node)
         return JSONResponse({"node": node, "cluster": cname, "available": not why, "reason": why}, 503 if why else 200)
 
     @app.get("/availability_check", summary="503 while the node is evacuated or a rebalance donor, else 200")

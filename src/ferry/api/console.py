@@ -10,9 +10,8 @@ import time
 from typing import Any
 
 from ferry.api.audits import Audits
-from ferry.api.watch import Registry, operation_id, relaying, state_of
+from ferry.api.watch import Registry, failback_total, operation_id, relaying, state_of
 from ferry.jobs.evacuate.nodes.base import STALE_AFTER
-from ferry.jobs.evacuate.plan import unavailable
 from ferry.journal import owner_alive
 
 
@@ -20,6 +19,7 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
     now = time.time()
     ops, relays = [], []
     for cname, key, kind, st in reg.operations():
+        figures, at = reg.relay_progress(key, st) if kind == "relay" else ({}, None)
         ops.append(
             {
                 "kind": kind,
@@ -29,11 +29,10 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
                 "since": st.get("since") or st.get("started"),
                 "progress": reg.progress(cname, kind, st),
                 "driven": owner_alive(st, STALE_AFTER) if "owner" in st else None,
-                "detail": detail(reg, cname, kind, st),
+                "detail": detail(reg, cname, kind, st, figures),
             }
         )
         if kind == "relay" and st.get("source"):
-            figures, at = reg.relay_progress(st)
             relays.append(
                 {
                     "from": st["source"],
@@ -48,16 +47,15 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
             )
     nodes = []
     for cname, cluster in sorted(reg.clusters.items()):
-        states = reg.evacuation_states(cname)
         for b in cluster.brokers:
-            why = unavailable(states, cname, b.name) if cname in reg.states else ""
+            why = reg.unavailable(cname, b.name)
             read = reg.live.get(f"node:{cname}:{b.name}")
             nodes.append(
                 {
                     "cluster": cname,
                     "node": b.name,
                     "available": not why,
-                    "reason": why or ("journal not read yet" if cname not in reg.states else ""),
+                    "reason": "journal not read yet" if why is None else why,
                     "connections": read[1]["connections"] if read and why else None,
                 }
             )
@@ -78,8 +76,8 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
     }
 
 
-def detail(reg: Registry, cname: str, kind: str, st: dict[str, Any]) -> str:
-    """One line of figures for an operation."""
+def detail(reg: Registry, cname: str, kind: str, st: dict[str, Any], figures: dict[str, dict[str, Any]]) -> str:
+    """One line of figures for an operation (`figures`: a relay's progress per stream)."""
     if kind == "evacuation":
         initial, evicted = st.get("initial") or {}, st.get("evicted") or {}
         read = reg.live.get(f"node:{cname}:{st.get('node')}")
@@ -99,12 +97,11 @@ def detail(reg: Registry, cname: str, kind: str, st: dict[str, Any]) -> str:
             f"unavailable {res.get('unavailable_s') or 0} s"
         )
     if kind == "relay":
-        figures, _ = reg.relay_progress(st)
         lag = sum(int(p.get("lag") or 0) for p in figures.values())
         error = f"; last error: {st['error']}" if st.get("error") else ""
         return f"{len(figures)} stream(s), {lag} message(s) behind{error}"
     if kind == "dr_failback":
-        before = sum(int(x.get("before") or 0) for x in st.get("queues") or [])
+        before = failback_total(st)
         left = reg.failback_left(cname, st)
         return f"{len(st.get('queues') or [])} queue(s); " + (
             f"{sum(left.values())} of {before} message(s) left" if left is not None else f"{before} message(s) to move"

@@ -12,22 +12,21 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ferry.api.audits import Audits
 from ferry.api.watch import STATES, Registry, operation_id, relaying, state_of
 from ferry.brokers.rabbitmq import queue_path
-from ferry.jobs.evacuate.plan import unavailable
 from ferry.jobs.replicate.relay import RelayFamilies
 
 
 class JournalCollector(Collector):
     """The families of every operation `reg` has on record."""
 
-    def __init__(self, reg: Registry, audits: Any = None) -> None:
+    def __init__(self, reg: Registry, audits: Audits) -> None:
         self.reg, self.audits = reg, audits
 
     def collect(self) -> Iterator[Metric]:
@@ -114,7 +113,7 @@ class JournalCollector(Collector):
                     age.add_metric([f"node:{cname}:{node}"], now - read[0])
             elif kind == "relay" and st.get("source"):
                 src, dst = str(st["source"]), str(st["dest"])
-                figures, at = reg.relay_progress(st)
+                figures, at = reg.relay_progress(key, st)
                 relay.active.add_metric([src, dst], 1.0 if relaying(st) else 0.0)
                 started.add_metric([src, dst], 1.0 if st.get("desired") == "running" else 0.0)
                 for stream, p in sorted(figures.items()):
@@ -132,15 +131,13 @@ class JournalCollector(Collector):
         for (kind, state), n in sorted(counts.items()):
             ops.add_metric([kind, state], n)
         for cname, cluster in sorted(reg.clusters.items()):
-            states = reg.evacuation_states(cname)
             for b in cluster.brokers:
-                available.add_metric([cname, b.name], 0.0 if unavailable(states, cname, b.name) else 1.0)
+                available.add_metric([cname, b.name], 0.0 if reg.unavailable(cname, b.name) else 1.0)
             if cname in reg.read_at:
                 journal_age.add_metric([cname], time.monotonic() - reg.read_at[cname])
         yield from (ops, ratio, missed, reinjected, unavail, conns, evicted, available)
         yield from (in_state, *relay, started, left, dups, age, journal_age)
-        if self.audits is not None:
-            yield from self.audits.collect()
+        yield from self.audits.collect()
 
 
 def render(families: Iterable[Metric]) -> bytes:

@@ -17,9 +17,9 @@ from ferry.jobs.dr_failback.journal import read_journal
 from ferry.jobs.dr_failback.plan import FAILBACK
 from ferry.jobs.evacuate.nodes import open_nodes
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER
-from ferry.jobs.evacuate.plan import EVACUATION, REBALANCE
+from ferry.jobs.evacuate.plan import EVACUATION, REBALANCE, unavailable
 from ferry.jobs.move.plan import MOVE
-from ferry.jobs.replicate.control import status_row
+from ferry.jobs.replicate.control import lease_live, status_row
 from ferry.jobs.replicate.plan import RELAY, backlog_from, lags
 from ferry.journal import Journal, KvJournal, ParamJournal, owner_alive, running_here
 from ferry.topology import NatsCluster, RabbitCluster, Topology
@@ -204,7 +204,7 @@ class Registry:
 
     async def _queues(self, cname: str) -> dict[tuple[str, str], int]:
         async with open_nodes(cname, self.clusters[cname], avoid=[]) as nodes:
-            got = await nodes.journal("").m.get("/queues?columns=name,vhost,messages")
+            got = await nodes.m.get("/queues?columns=name,vhost,messages")
         return {(x["vhost"], x["name"]): int(x.get("messages") or 0) for x in got or []}
 
     def progress(self, cname: str, kind: str, st: dict[str, Any]) -> float | None:
@@ -220,7 +220,7 @@ class Registry:
         if kind == "move":
             return 1.0 if st.get("phase") in ("done", "cancelled") else None
         if kind == "dr_failback":
-            before = sum(int(x.get("before") or 0) for x in st.get("queues") or [])
+            before = failback_total(st)
             left = self.failback_left(cname, st)
             return None if left is None or not before else max(0.0, 1.0 - sum(left.values()) / before)
         return None
@@ -232,17 +232,13 @@ class Registry:
             return None
         return {(x["vhost"], x["queue"]): read[1].get((x["vhost"], x["queue"]), 0) for x in st.get("queues") or []}
 
-    def relay_progress(self, st: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float | None]:
+    def relay_progress(self, key: str, st: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float | None]:
         """A replication's progress per stream and when it was read: the running relay's own
         report, or (none running) the backlog serve read at the source."""
         if relaying(st):
             return status_row(st, time.time()).get("progress") or {}, st.get("progress_at")
-        read = self.live.get(f"lag:{self.key_of(st)}")
+        read = self.live.get(f"lag:{key}")
         return (read[1], read[0]) if read else (st.get("progress") or {}, st.get("progress_at"))
-
-    @staticmethod
-    def key_of(st: dict[str, Any]) -> str:
-        return f"relay.{st.get('source')}.{st.get('dest')}"
 
     # -- adoption ----------------------------------------------------------------------------------
 
@@ -292,12 +288,21 @@ class Registry:
     def public(self, kind: str) -> list[dict[str, Any]]:
         return [{k: v for k, v in st.items() if k != "heartbeat"} for _, key, k, st in self.operations() if k == kind]
 
-    def evacuation_states(self, cname: str) -> dict[str, dict[str, Any]]:
-        """The states of cluster `cname` the availability check goes by."""
-        return {k: st for k, st in self.states.get(cname, {}).items() if kind_of(k, st) in ADOPTED}
+    def unavailable(self, cname: str, node: str) -> str | None:
+        """Why the load balancer should not send `node` new clients ('' if it may), by the states
+        of cluster `cname` the availability check goes by; None while its journal was never read
+        (then the node is available: an unreadable journal must not empty the balancer)."""
+        if cname not in self.states:
+            return None
+        states = {k: st for k, st in self.states[cname].items() if kind_of(k, st) in ADOPTED}
+        return unavailable(states, cname, node)
+
+
+def failback_total(st: dict[str, Any]) -> int:
+    """The messages a DR fail-back found in its queues."""
+    return sum(int(x.get("before") or 0) for x in st.get("queues") or [])
 
 
 def relaying(st: dict[str, Any]) -> bool:
     """A relay holds the replication's lease and reports its progress."""
-    lease = st.get("lease")
-    return st.get("state") == "relaying" and owner_alive(st, max(1.0, float(lease) - 1.0) if lease else 10.0)
+    return st.get("state") == "relaying" and lease_live(st)

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ferry.cli.options import PLAIN, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import PLAIN, JsonOpt, MetricsPortOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
 from ferry.cli.render import err, json_event, out, per_stream, plain_event, print_json, utc_time
 
 # -- replicate / site ---------------------------------------------------------------------------
@@ -63,9 +63,7 @@ def replicate_run(
     source: FromOpt,
     to: ToOpt,
     lease: Annotated[float, typer.Option(min=2, help="Seconds after which a standby takes over a silent relay.")] = 5.0,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics.")
-    ] = None,
+    metrics_port: MetricsPortOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,

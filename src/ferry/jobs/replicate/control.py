@@ -154,10 +154,15 @@ async def _lag_now(topo: Topology, row: dict[str, Any]) -> None:
         p.update(fresh[s], lag_at="now")
 
 
+def lease_live(state: dict[str, Any]) -> bool:
+    """Whether the replication's lease holder is alive, as standbys see it."""
+    lease = state.get("lease")
+    return owner_alive(state, max(1.0, float(lease) - 1.0) if lease else 10.0)
+
+
 def status_row(state: dict[str, Any], now: float) -> dict[str, Any]:
     """`state` (a journal record) with what is actually happening: see `status`."""
-    lease = state.get("lease")
-    live = owner_alive(state, max(1.0, float(lease) - 1.0) if lease else 10.0)  # as standbys see it
+    live = lease_live(state)
     started = state.get("desired") == "running"
     row: dict[str, Any] = {**state, "leader": state.get("owner") if live else None, "live": live}
     row["intent"] = "started" if started else "stopped"
