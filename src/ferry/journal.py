@@ -125,6 +125,10 @@ class Journal:
     async def keys(self, patterns: list[str]) -> list[str]:
         raise NotImplementedError
 
+    async def all(self) -> dict[str, dict[str, Any]]:
+        """Every key's state (deleted keys left out), in one read rather than one per key."""
+        raise NotImplementedError
+
     async def save(self, release: bool = False, **changes: Any) -> None:
         raise NotImplementedError
 
@@ -185,6 +189,35 @@ class KvJournal(Journal):
         for pattern in patterns:
             info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
             out += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+        return out
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        """One ordered consumer over the last message of each key, read until every key the
+        stream held has arrived: about a quarter of the CPU of a get per key (bench/RESULTS.md,
+        the console's /metrics). Ended by the stream's own subject list, not by the consumer's
+        pending count (which nats-py was seen to report 0 for a full bucket)."""
+        from nats.js.api import DeliverPolicy
+
+        prefix = f"$KV.{BUCKET}."
+        info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + ">")
+        left = set(info.state.subjects or {})
+        out: dict[str, dict[str, Any]] = {}
+        if not left:
+            return out
+        sub = await self.nc.jetstream().subscribe(
+            prefix + ">", ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+        )
+        try:
+            while left:
+                msg = await sub.next_msg(timeout=5.0)
+                left.discard(msg.subject)
+                key = msg.subject.removeprefix(prefix)
+                if msg.data and not (msg.headers or {}).get("KV-Operation"):  # DEL and PURGE carry no state
+                    out[key] = json.loads(msg.data)
+                else:
+                    out.pop(key, None)
+        finally:
+            await sub.unsubscribe()
         return out
 
     async def save(self, release: bool = False, **changes: Any) -> None:
@@ -322,6 +355,15 @@ class ParamJournal(Journal):
         found = await self.m.get("/global-parameters") or []
         names = [p["name"].removeprefix(self.prefix) for p in found if p["name"].startswith(self.prefix)]
         return [n for n in names if any(matches(pat, n) for pat in patterns)]
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        """One GET of the global parameters."""
+        found = await self.m.get("/global-parameters") or []
+        return {
+            p["name"].removeprefix(self.prefix): p["value"]
+            for p in found
+            if p["name"].startswith(self.prefix) and isinstance(p.get("value"), dict) and p["value"]
+        }
 
     async def save(self, release: bool = False, **changes: Any) -> None:
         current = await self.get(self.key)

@@ -92,8 +92,14 @@ async def test_saved_state_is_read_back_with_its_owner_from_another_journal(
         released = await b.open()
         assert released is not None and released["owner"] is None and not b.owner_alive(released)
         assert key in await b.keys(["test.*"]) and key not in await b.keys(["other.*"])
+        other = await make(key + "x")
+        await other.save(phase="other")
+        every = await b.all()  # one read of every key: what a get of each returns
+        assert every[key] == await b.get(key) and every[key + "x"]["phase"] == "other"
         await a.delete()
         assert await b.open() is None
+        assert key not in await b.all() and key + "x" in await b.all(), "a deleted key is left out"
+        await other.delete()
 
 
 @pytest.mark.lab

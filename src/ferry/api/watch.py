@@ -127,8 +127,7 @@ class Registry:
         await journal.open()
         while True:
             began = time.monotonic()  # the heartbeats read are at least this old
-            keys = await journal.keys([">"])
-            states = {k: st for k in keys if (st := await journal.get(k))}
+            states = await journal.all()
             if isinstance(journal, ParamJournal) and (record := await read_journal(journal.m)):
                 states[FAILBACK_KEY] = record
             self._saw(name, self.states.get(name), states)
