@@ -347,3 +347,25 @@ def prom_query(base: str, expr: str) -> list[dict[str, Any]]:
     got = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
     assert got["status"] == "success", got
     return got["data"]["result"]
+
+
+def served(topo: Topology, *clusters: str) -> list[dict[str, Any]]:
+    """The operations `ferry serve` reads from the journals of `clusters` (one read of each), as its
+    console lists them."""
+    from ferry.api.audits import Audits
+    from ferry.api.console import view
+    from ferry.api.watch import Registry
+
+    async def read() -> list[dict[str, Any]]:
+        reg = Registry(topo)
+        reg.first_read = {c: asyncio.Event() for c in clusters}
+        tasks = [asyncio.create_task(reg.watch(c, reg.clusters[c])) for c in clusters]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reg.first_read.values())), 30)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return view(reg, Audits(None))["operations"]
+
+    return asyncio.run(read())

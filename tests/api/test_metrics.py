@@ -86,10 +86,19 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
         "queues": [{"vhost": "/", "queue": "q1", "before": 100}], "duplicates": {"%2F/q1": 3},
         "upstreams": [{"value": {"uri": "amqp://ferry:hunter2@pc1"}}],
     }  # fmt: skip
+    src, dst = "jetstream://east/ORDERS", "parquet:///tmp/orders"
+    copying = {"kind": "copy", "state": "running", "source": src, "destination": dst, "messages": 200, "copied": 50,
+               "owner": Journal.owner(), "heartbeat": now}  # fmt: skip
+    dead_copy = {**copying, "source": "jetstream://east/OTHER", "heartbeat": now - 60}  # its ferry died
+    pmap = {"kind": "partition", "map": "orders", "state": "repartitioning", "partitions": 3}
+    east = {
+        "move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay,
+        "copy.1": copying, "copy.2": dead_copy, "partition.orders": pmap,
+    }  # fmt: skip
     # the clusters of one NATS site read one bucket: the move is seen through east and west
     registry.states = {
-        "east": {"move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay},
-        "west": {"move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay},
+        "east": east,
+        "west": dict(east),
         "ltm": {"dr-failback": failback},
     }
     registry.read_at = dict.fromkeys(registry.states, time.monotonic())
@@ -100,6 +109,11 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
     assert sample(text, "ferry_operations", kind="relay", state="relaying") == 1
     assert sample(text, "ferry_operations", kind="dr_failback", state="transferring") == 1
     assert sample(text, "ferry_operations", kind="rebalance", state="waiting_takeover") == 0  # every state, even unused
+    assert sample(text, "ferry_operations", kind="copy", state="running") == 1
+    assert sample(text, "ferry_operations", kind="copy", state="interrupted") == 1
+    assert sample(text, "ferry_operations", kind="copy", state="done") == 0
+    assert sample(text, "ferry_operations", kind="partition", state="repartitioning") == 1
+    assert sample(text, "ferry_operation_progress_ratio", kind="copy", id=f"{src} -> {dst}") == 0.25
     assert sample(text, "ferry_move_missed_total", stream="ORDERS") == 12
     assert sample(text, "ferry_operation_progress_ratio", kind="evacuation", id="east/east-1") == 0.25
     assert sample(text, "ferry_operation_progress_ratio", kind="dr_failback", id="ltm->pc1") == 0.75

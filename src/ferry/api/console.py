@@ -106,6 +106,11 @@ def detail(reg: Registry, cname: str, kind: str, st: dict[str, Any], figures: di
         return f"{len(st.get('queues') or [])} queue(s); " + (
             f"{sum(left.values())} of {before} message(s) left" if left is not None else f"{before} message(s) to move"
         )
+    if kind == "copy":
+        error = f"; error: {st['error']}" if st.get("error") else ""
+        return f"{int(st.get('copied') or 0):,} of {int(st.get('messages') or 0):,} message(s){error}"
+    if kind == "partition":
+        return f"{st.get('partitions', 0)} partition(s)"
     if kind in ("site_failover", "site_failback"):
         return f"primary {st.get('primary') or '?'}"
     return ""

@@ -13,12 +13,14 @@ import time
 from typing import Any
 
 from ferry.brokers import nats as bnats
+from ferry.jobs.copy import record as copy_record
 from ferry.jobs.dr_failback.journal import read_journal
 from ferry.jobs.dr_failback.plan import FAILBACK
 from ferry.jobs.evacuate.nodes import open_nodes
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER
 from ferry.jobs.evacuate.plan import EVACUATION, REBALANCE, unavailable
 from ferry.jobs.move.plan import MOVE
+from ferry.jobs.partition.claims import on_record as partitions_on_record
 from ferry.jobs.replicate.control import lease_live, status_row
 from ferry.jobs.replicate.plan import RELAY, backlog_from, lags
 from ferry.journal import Journal, KvJournal, ParamJournal, owner_alive, running_here
@@ -56,6 +58,8 @@ STATES: dict[str, list[str]] = {
     "dr_failback": sorted(FAILBACK.states),
     "site_failover": ["done"],
     "site_failback": ["running", "done"],
+    "partition": ["applied", "repartitioning"],
+    "copy": copy_record.STATES,
 }
 
 
@@ -69,6 +73,8 @@ def state_of(kind: str, st: dict[str, Any]) -> str:
         return "done"
     if kind == "site_failback":
         return "running" if "primary" not in st else "done"
+    if kind == "copy":
+        return copy_record.state_of(st, owner_alive(st))
     return str(st.get("state") or "defined")
 
 
@@ -85,6 +91,10 @@ def operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
         return f"{st.get('source')}->{st.get('dest')}"
     if kind == "dr_failback":
         return f"{st.get('source')}->{st.get('target')}"
+    if kind == "copy":
+        return f"{st.get('source')} -> {st.get('destination')}"
+    if kind == "partition":
+        return f"{where}/{st.get('map')}"
     return f"{where}/{key}"
 
 
@@ -130,12 +140,23 @@ class Registry:
             states = await journal.all()
             if isinstance(journal, ParamJournal) and (record := await read_journal(journal.m)):
                 states[FAILBACK_KEY] = record
+            if isinstance(journal, KvJournal):
+                states.update(await self._partitions(name, journal))
             self._saw(name, self.states.get(name), states)
             self.states[name] = states
             self.read_at[name] = began
             if name in self.first_read:
                 self.first_read[name].set()
             await asyncio.sleep(0.5)
+
+    async def _partitions(self, name: str, journal: KvJournal) -> dict[str, dict[str, Any]]:
+        """The partition maps on record (the last ones read, when their record cannot be read: it
+        must not stop the journal's read, which the availability check goes by)."""
+        try:
+            return await partitions_on_record(journal.nc)
+        except Exception as exc:
+            log.warning("reading %s's partition claims: %s", name, exc)
+            return {k: st for k, st in self.states.get(name, {}).items() if kind_of(k, st) == "partition"}
 
     def _saw(self, name: str, old: dict[str, dict[str, Any]] | None, new: dict[str, dict[str, Any]]) -> None:
         """Note each operation that began, changed state or ended since the last read (none on the first)."""
@@ -218,6 +239,10 @@ class Registry:
             return min(1.0, int(st.get("evicted", {}).get("connections", 0)) / total) if total else 0.0
         if kind == "move":
             return 1.0 if st.get("phase") in ("done", "cancelled") else None
+        if kind == "copy":
+            total = int(st.get("messages") or 0)
+            done = st.get("state") == "done"
+            return 1.0 if done else min(1.0, int(st.get("copied") or 0) / total) if total else None
         if kind == "dr_failback":
             before = failback_total(st)
             left = self.failback_left(cname, st)

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ferry.cli.options import JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology
-from ferry.cli.render import out, print_json, progress_bar, redelivered_warning
+from ferry.cli.render import err, out, print_json, progress_bar, redelivered_warning
 
 
 def copy_cmd(
@@ -33,6 +33,7 @@ def copy_cmd(
 ) -> None:
     """Copy messages between streams, queues and Parquet, as a Spark job."""
     from ferry.jobs.copy.plan import CopyOptions, plan_copy
+    from ferry.jobs.copy.record import CopyRecord
     from ferry.jobs.copy.run import run_copy
     from ferry.spark.session import get_session
 
@@ -52,8 +53,12 @@ def copy_cmd(
     spark = get_session(
         spark_master, spark_remote, app_name=f"ferry copy {source} -> {destination}", data_sources=False
     )
-    with progress_bar(plan.messages, "copying", enabled=not as_json) as advance:
-        report = run_copy(topo, plan, spark, progress=advance)
+    with (
+        CopyRecord(topo, plan, warn=lambda line: err.print(f"warning: {line}", markup=False)) as record,
+        progress_bar(plan.messages, "copying", enabled=not as_json) as advance,
+    ):
+        report = run_copy(topo, plan, spark, progress=lambda n: (advance(n), record.progress(n)))
+        record.done(report.as_dict())
     if as_json:
         print_json(report.as_dict())
         return

@@ -35,6 +35,7 @@ from tests.helpers import (
     queue_depth,
     queue_messages,
     read_stream,
+    served,
     stream_count,
     stream_leader,
     wait_for,
@@ -348,7 +349,14 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
     ferry_killed_when(lambda: stream_count(topo, "west", dest) >= N // 3, *args, "--rate", "4000", topology=topology)
     partial = stream_count(topo, "west", dest)
     assert N // 3 <= partial < N
+    op_id = f"jetstream://east/CSRC -> jetstream://west/{dest}"
+    (killed,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
+    assert killed["state"] == "interrupted" and not killed["driven"], killed  # on record: its ferry died
+    assert killed["detail"].endswith(f"of {N:,} message(s)")
     report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
+    (done,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
+    assert done["state"] == "done" and done["progress"] == 1.0, done
+    assert done["detail"] == f"{report['read']:,} of {report['plan']['messages']:,} message(s)", done
     assert report["plan"]["batched"] == batched
     assert 0 < report["stored"] <= N - partial
     _check_copy(supercluster, dest, prefix, ordered=mode.startswith("ordered"))

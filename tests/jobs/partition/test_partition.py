@@ -24,7 +24,7 @@ from ferry.jobs import partition as pt
 from ferry.jobs.partition.claims import KEY, claim, open_claims, read_record
 from ferry.jobs.partition.map import Partition
 from ferry.jobs.partition.plan import list_streams
-from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, start_load
+from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, served, start_load
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
@@ -74,6 +74,9 @@ def test_four_partitions_each_message_lands_in_its_owner(supercluster: lab.LabSt
     on_record = {r["map"]: r for r in json.loads(ferry("partition", "status", "--json", topology=topology).stdout)}
     assert on_record["pt4"]["partitions"]["eu"] == {"stream": "PT_EU", "patterns": ["pt.eu.>"]}
     assert not on_record["pt4"]["pending"]
+    served_ops = served(supercluster_topology(supercluster), "west")  # what `ferry serve` reads of it
+    (op,) = [o for o in served_ops if o["kind"] == "partition" and o["id"].endswith("/pt4")]
+    assert op["state"] == "applied" and op["detail"] == "4 partition(s)", op
     pmap = pt.load_map(four)
     index = pmap.index()
     regions = ["eu", "us", "ap", "sa", "audit", "xx"]

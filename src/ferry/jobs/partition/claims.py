@@ -163,6 +163,24 @@ async def unclaim(
     raise Conflict(f"could not withdraw the claims of map {pmap.name!r}: the record kept changing")
 
 
+async def on_record(nc: Client) -> dict[str, dict[str, Any]]:
+    """Every map on record as an operation, as `ferry serve` lists them (key ``partition.<map>``):
+    applied, or repartitioning while a repartition has not finished."""
+    from datetime import UTC, datetime
+
+    out = {}
+    for row in status(await read_claims(nc)):
+        at = row["by"].get("at")
+        out[f"partition.{row['map']}"] = {
+            "kind": "partition",
+            "map": row["map"],
+            "state": "repartitioning" if row["pending"] else "applied",
+            "partitions": len(row["partitions"]),
+            "since": datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp() if at else None,
+        }
+    return out
+
+
 def status(record: dict[str, Any]) -> list[dict[str, Any]]:
     """`ferry partition status`: every map on record with its partitions, and a repartition that
     did not finish (pending: who started it and when)."""
