@@ -28,11 +28,20 @@ print(spark_log())
 """
 
 
-def test_the_jvm_writes_to_the_spark_log_and_other_threads_to_stderr() -> None:
-    env = {**os.environ, "FERRY_SPARK_CDS": "0"}  # no "saving Spark's classes" note at exit
+def test_the_jvm_writes_to_the_spark_log_and_other_threads_to_stderr(tmp_path: Path) -> None:
+    env = {**os.environ, "FERRY_SPARK_CDS": "0", "TMPDIR": str(tmp_path)}  # no "saving Spark's classes" note at exit
+    folder = tmp_path / f"ferry-spark-{os.getuid()}"
+    folder.mkdir()
+    for i in range(25):  # the logs of earlier ferries: the oldest go, the newest 20 stay
+        (folder / f"{i}.log").write_text("old")
+        os.utime(folder / f"{i}.log", (1000 + i, 1000 + i))
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.splitlines() == [f"line {i}" for i in range(400)], result.stderr[-3000:]
     log = Path(result.stdout.strip()).read_text()
+    assert Path(result.stdout.strip()).parent == folder
+    assert sorted(p.name for p in folder.glob("*.log")) == sorted(
+        [f"{i}.log" for i in range(5, 25)] + [Path(result.stdout.strip()).name]
+    )
     # none of this process's own lines (a worker's traceback at exit, "line 95, in worker", may be there)
     assert "Setting default log level" in log and not {f"line {i}" for i in range(400)} & set(log.splitlines())

@@ -236,9 +236,21 @@ def interrupt(timeout: float = 5.0) -> None:
             t.join(timeout)
 
 
+SPARK_LOGS_KEPT = 20  # logs of earlier local Spark drivers kept when one starts (the newest)
+
+
 def spark_log() -> Path:
-    """Where the local JVM and its Python workers write their own output (not the terminal)."""
-    return Path(tempfile.gettempdir()) / f"ferry-spark-{os.getpid()}.log"
+    """Where the local JVM and its Python workers write their own output (not the terminal): one
+    file per ferry process, in a folder of this user's."""
+    return Path(tempfile.gettempdir()) / f"ferry-spark-{os.getuid()}" / f"{os.getpid()}.log"
+
+
+def _prune_logs(folder: Path) -> None:
+    """Keep the SPARK_LOGS_KEPT newest logs (another ferry may be writing one of them)."""
+    logs = sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in logs[SPARK_LOGS_KEPT:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def _launch_jvm(options: dict[str, str]) -> None:
@@ -248,7 +260,11 @@ def _launch_jvm(options: dict[str, str]) -> None:
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
-    fd = os.open(spark_log(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    log = spark_log()
+    log.parent.mkdir(mode=0o700, exist_ok=True)
+    with contextlib.suppress(OSError):  # a log that vanished meanwhile (another ferry pruned it)
+        _prune_logs(log.parent)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         gateway = launch_gateway(SparkConf(loadDefaults=False).setAll(options.items()), popen_kwargs={"stderr": fd})
     finally:

@@ -238,7 +238,36 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     assert json.loads(again.stdout)["outcome"] == "nothing to do"
 
 
-def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
+async def _linger(topo: Topology, ltm: Any, vhost: str, upstream: dict[str, Any]) -> None:
+    """What a DELETE of an upstream cut short leaves (issue 46, F1): the upstream gone from the
+    broker's records, its links still running. The broker removes the record first, then stops
+    the links inside the request; here the record is removed without the request."""
+    async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
+        path = f"/parameters/federation-upstream/{q(vhost)}/art"
+        await m.put(path, {"value": upstream["value"]})
+
+        async def running() -> int:
+            conns = {c["name"] for c in await m.get("/connections?columns=name")}
+            rows = [x for x in await m.get("/federation-links") if (x["vhost"], x["upstream"]) == (vhost, "art")]
+            return sum(x.get("status") == "running" and x.get("local_connection") in conns for x in rows)
+
+        deadline = time.monotonic() + 30
+        while await running() < len(VHOSTS[vhost]):
+            assert time.monotonic() < deadline, "the links of the restored upstream never ran"
+            await asyncio.sleep(0.2)
+        key = f'{{<<"{vhost}">>, <<"federation-upstream">>, <<"art">>}}'
+        lab_rabbit.tool(ltm, "rabbitmqctl", "eval", f"mnesia:dirty_delete(rabbit_runtime_parameters, {key}).")
+        assert await m.get(path, ok404=True) is None
+        await asyncio.sleep(1.0)
+        assert await running() == len(VHOSTS[vhost]), "the links stopped with their record: no F1 to test"
+
+
+def test_failback_resumes_after_being_killed_twice(
+    dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path, spark: Any
+) -> None:
+    """Killed with the upstreams disabled, then mid-transfer: a plain rerun finishes. Between the
+    two, links left running by an upstream's DELETE cut short are restarted away (issue 46, F1:
+    every rerun used to wait for them and fail)."""
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "spark")
 
@@ -253,6 +282,7 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], tmp_path:
     journal = asyncio.run(_leftovers(topo))["journal"]
     assert journal is not None and journal["value"]["phase"] in ("disabling", "transferring")
     assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled, definitions in the journal
+    asyncio.run(_linger(topo, rabbit_dr.proc("ltm"), "fb-a", dr["upstreams"]["fb-a"]))
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
     assert sum(asyncio.run(_counts(topo, "ltm", [])).values()) > 0  # killed before the end

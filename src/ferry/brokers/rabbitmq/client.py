@@ -117,11 +117,13 @@ class Management:
     async def get(self, path: str, **kwargs: Any) -> Any:
         return await self.request("GET", path, **kwargs)
 
-    async def put(self, path: str, body: Any) -> Any:
-        return await self.request("PUT", path, json=body)
+    async def put(self, path: str, body: Any, timeout: float | None = None) -> Any:
+        return await self.request("PUT", path, json=body, **({"timeout": timeout} if timeout else {}))
 
-    async def delete(self, path: str, ok404: bool = True) -> Any:
-        return await self.request("DELETE", path, ok404=ok404)
+    async def delete(self, path: str, ok404: bool = True, timeout: float | None = None) -> Any:
+        """`timeout`: for a request whose work the broker does while it answers (and stops where a
+        client that gave up cut it), longer than the client's default."""
+        return await self.request("DELETE", path, ok404=ok404, **({"timeout": timeout} if timeout else {}))
 
 
 def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:

@@ -113,16 +113,35 @@ async def status(topo: Topology, req: FailbackRequest) -> dict[str, Any]:
     return await resume_view(journal, src_c, req)
 
 
+# The broker stops an upstream's links inside the DELETE request that removes it, after removing
+# the upstream itself, and stops where the request is cut (a client that gave up, a killed ferry):
+# the links of the queues not reached yet keep running with no upstream on record, and a rerun's
+# DELETE (404) never reaches them (rabbit_runtime_parameters:clear_any; issue 46, F1).
+DELETE_WAIT = 120.0  # seconds a DELETE of an upstream may take
+NUDGE_AFTER = 2.0  # seconds a link of a deleted upstream may take to stop before it is restarted away
+
+
 async def _disable(sm: Management, journal: dict[str, Any], emit: Emit) -> None:
     for u in journal["upstreams"]:
-        await sm.delete(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}")
+        await sm.delete(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}", timeout=DELETE_WAIT)
         emit("upstream-disabled", vhost=u["vhost"], upstream=u["name"])
 
 
+def reset_set(journal: dict[str, Any]) -> str:
+    """The upstream set a fail-back makes and deletes at once to restart lingering links."""
+    return f"ferry-reset-{journal['id']}"
+
+
 async def _links_down(sm: Management, journal: dict[str, Any], timeout: float) -> None:
-    """Wait until no federation link of the saved upstreams runs (else a consumer would pull)."""
+    """Wait until no federation link of the saved upstreams runs (else a consumer would pull).
+
+    A link counts while it is starting or its connection is open; a status row whose connection
+    is gone is what a crashed or half-stopped link left behind, and pulls nothing. Links still
+    running NUDGE_AFTER seconds in are restarted away once: making and deleting an upstream set
+    restarts every link of the broker, and only those whose upstream exists come back."""
     names = {(u["vhost"], u["name"]) for u in journal["upstreams"]}
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    nudged = False
     while True:
         for u in journal["upstreams"]:
             if await sm.get(f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}", ok404=True):
@@ -130,14 +149,23 @@ async def _links_down(sm: Management, journal: dict[str, Any], timeout: float) -
                     f"upstream {u['name']!r} in vhost {u['vhost']!r} was re-created during the failback; "
                     "nothing moved (rerun to disable it again, or --abort)"
                 )
-        links = [x for x in await sm.get("/federation-links") if (x["vhost"], x["upstream"]) in names]
+        rows = [x for x in await sm.get("/federation-links") if (x["vhost"], x["upstream"]) in names]
+        conns = {c["name"] for c in await sm.get("/connections?columns=name") or []} if rows else set()
+        links = [x for x in rows if x.get("status") == "starting" or x.get("local_connection") in conns]
         if not links:
             return
-        if time.monotonic() > deadline:
+        if not nudged and time.monotonic() - began > NUDGE_AFTER:
+            path = f"/parameters/federation-upstream-set/{q(links[0]['vhost'])}/{q(reset_set(journal))}"
+            await sm.put(path, {"value": [{"upstream": reset_set(journal)}]}, timeout=DELETE_WAIT)
+            await sm.delete(path, timeout=DELETE_WAIT)
+            nudged = True
+        if time.monotonic() - began > timeout:
             x = links[0]
             raise OperationFailed(
                 f"federation link {x['upstream']!r} for {queue_path(x['vhost'], x.get('queue') or x.get('exchange'))} "
-                f"still {x.get('status')} after {timeout:.0f}s; nothing moved (rerun to continue)"
+                f"still {x.get('status')} after {timeout:.0f}s (connection {x.get('local_connection')!r}) with its "
+                f"upstream deleted{', and restarting the links did not stop it' if nudged else ''}; "
+                "nothing moved (rerun to continue)"
             )
         await asyncio.sleep(POLL)
 
@@ -249,6 +277,8 @@ async def _finish(
         raise OperationFailed(
             f"messages left after the transfer: {left}; the upstreams stay disabled (rerun to continue, or --abort)"
         )
+    for vhost in sorted({u["vhost"] for u in journal["upstreams"]}):  # what a run killed mid-nudge left
+        await sm.delete(f"/parameters/federation-upstream-set/{q(vhost)}/{q(reset_set(journal))}", timeout=DELETE_WAIT)
     upstream_after = await upstream_counts(journal["upstreams"], journal["queues"])
     restored = []
     for u in journal["upstreams"]:
