@@ -364,6 +364,22 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
     assert again["stored"] == 0 and stream_count(topo, "west", dest) == N
 
 
+def test_a_copy_stopped_with_ctrl_c_is_on_record_as_stopped(supercluster: lab.LabState, source_stream: str) -> None:
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "west", "CDST_STOPPED", ["stopped.csrc.>"], placement="west"))
+    topology = supercluster.path / "topology.yaml"
+    args = ["copy", "jetstream://east/CSRC", "jetstream://west/CDST_STOPPED", "--subject-prefix", "stopped."]
+    args += ["--rate", "2000"]
+    ferry_killed_when(
+        lambda: stream_count(topo, "west", "CDST_STOPPED") >= 1000, *args, topology=topology, sig=signal.SIGINT
+    )
+    op_id = "jetstream://east/CSRC -> jetstream://west/CDST_STOPPED"
+    (stopped,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
+    assert stopped["state"] == "stopped" and not stopped["driven"], stopped  # what the user asked for: no alert
+    copied = int(stopped["detail"].split(" of ")[0].replace(",", ""))
+    assert 0 < copied <= stream_count(topo, "west", "CDST_STOPPED") < N, stopped
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_stream_copy_rides_out_the_kill_of_a_destination_server(
     supercluster: lab.LabState, source_stream: str, batched: bool

@@ -25,7 +25,8 @@ from ferry.journal import Journal, KvJournal, ParamJournal
 from ferry.topology import Topology
 
 HEARTBEAT = 2.0  # seconds between the saves of a running copy's progress
-STATES = ["done", "failed", "interrupted", "running"]  # "interrupted": running on record, its ferry gone
+# "interrupted": running on record, its ferry gone; "stopped": by Ctrl-C
+STATES = ["done", "failed", "interrupted", "running", "stopped"]
 
 
 def record_key(plan: CopyPlan) -> str:
@@ -54,8 +55,10 @@ class CopyRecord:
         self.final = {"state": "done", "copied": int(result.get("read") or 0), "result": result}
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        if self.final is None:
-            error = (str(exc) or type(exc).__name__) if exc else "stopped"
+        if isinstance(exc, KeyboardInterrupt):
+            self.final = {"state": "stopped", "copied": self.copied}  # Ctrl-C: what the user asked for
+        elif self.final is None:
+            error = (str(exc) or type(exc).__name__) if exc else "ended without a result"
             self.final = {"state": "failed", "copied": self.copied, "error": error}
         self.ended.set()
         self.thread.join(10.0)  # a journal that hangs does not hold the command's exit for longer
