@@ -11,6 +11,7 @@ import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import httpx
@@ -370,11 +371,18 @@ def test_a_copy_stopped_with_ctrl_c_is_on_record_as_stopped(supercluster: lab.La
     topology = supercluster.path / "topology.yaml"
     args = ["copy", "jetstream://east/CSRC", "jetstream://west/CDST_STOPPED", "--subject-prefix", "stopped."]
     args += ["--rate", "2000"]
-    ferry_killed_when(
-        lambda: stream_count(topo, "west", "CDST_STOPPED") >= 1000, *args, topology=topology, sig=signal.SIGINT
-    )
     op_id = "jetstream://east/CSRC -> jetstream://west/CDST_STOPPED"
-    (stopped,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
+
+    def on_record() -> dict[str, Any]:
+        (op,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id] or [{}]
+        return op
+
+    def running_with_progress() -> bool:  # its count saved (every 2 s) while it runs
+        op = on_record()
+        return op.get("state") == "running" and not op["detail"].startswith("0 of")
+
+    ferry_killed_when(running_with_progress, *args, topology=topology, sig=signal.SIGINT)
+    stopped = on_record()
     assert stopped["state"] == "stopped" and not stopped["driven"], stopped  # what the user asked for: no alert
     copied = int(stopped["detail"].split(" of ")[0].replace(",", ""))
     assert 0 < copied <= stream_count(topo, "west", "CDST_STOPPED") < N, stopped

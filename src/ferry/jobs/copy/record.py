@@ -35,7 +35,7 @@ def record_key(plan: CopyPlan) -> str:
 
 class CopyRecord:
     """``with CopyRecord(topo, plan, warn) as rec:`` … ``rec.progress(n)`` … ``rec.done(report)``;
-    leaving the block without ``done`` records the copy as failed with the error."""
+    leaving the block without ``done`` records the copy as stopped (Ctrl-C) or failed with its error."""
 
     def __init__(self, topo: Topology, plan: CopyPlan, warn: Callable[[str], None]) -> None:
         self.topo, self.plan, self.warn = topo, plan, warn
@@ -52,7 +52,9 @@ class CopyRecord:
         self.copied = copied
 
     def done(self, result: dict[str, Any]) -> None:
-        self.final = {"state": "done", "copied": int(result.get("read") or 0), "result": result}
+        """The copy ended: its report's figures (not its rows per queue, which may be thousands)."""
+        figures = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
+        self.final = {"state": "done", "copied": int(result.get("read") or 0), "result": figures}
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, KeyboardInterrupt):
