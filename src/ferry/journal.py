@@ -199,8 +199,7 @@ class KvJournal(Journal):
         from nats.js.api import DeliverPolicy
 
         prefix = f"$KV.{BUCKET}."
-        info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + ">")
-        left = set(info.state.subjects or {})
+        left = set(await self.keys([">"]))
         out: dict[str, dict[str, Any]] = {}
         if not left:
             return out
@@ -210,8 +209,8 @@ class KvJournal(Journal):
         try:
             while left:
                 msg = await sub.next_msg(timeout=5.0)
-                left.discard(msg.subject)
                 key = msg.subject.removeprefix(prefix)
+                left.discard(key)
                 if msg.data and not (msg.headers or {}).get("KV-Operation"):  # DEL and PURGE carry no state
                     out[key] = json.loads(msg.data)
                 else:

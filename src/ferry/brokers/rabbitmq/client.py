@@ -117,13 +117,13 @@ class Management:
     async def get(self, path: str, **kwargs: Any) -> Any:
         return await self.request("GET", path, **kwargs)
 
-    async def put(self, path: str, body: Any, timeout: float | None = None) -> Any:
-        return await self.request("PUT", path, json=body, **({"timeout": timeout} if timeout else {}))
+    async def put(self, path: str, body: Any, timeout: Any = httpx.USE_CLIENT_DEFAULT) -> Any:
+        return await self.request("PUT", path, json=body, timeout=timeout)
 
-    async def delete(self, path: str, ok404: bool = True, timeout: float | None = None) -> Any:
+    async def delete(self, path: str, ok404: bool = True, timeout: Any = httpx.USE_CLIENT_DEFAULT) -> Any:
         """`timeout`: for a request whose work the broker does while it answers (and stops where a
         client that gave up cut it), longer than the client's default."""
-        return await self.request("DELETE", path, ok404=ok404, **({"timeout": timeout} if timeout else {}))
+        return await self.request("DELETE", path, ok404=ok404, timeout=timeout)
 
 
 def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:

@@ -65,16 +65,15 @@ class CopyRecord:
         self.ended.set()
         self.thread.join(10.0)  # a journal that hangs does not hold the command's exit for longer
 
-    def _where(self) -> tuple[str, str]:
-        """(kind, cluster) of the journal the record goes to."""
+    def _where(self) -> tuple[str, str] | None:
+        """(kind, cluster) of the journal the record goes to; None with no broker on either end."""
         for end in (self.plan.destination, self.plan.source):
             if end.kind in ("jetstream", "rabbitmq") and end.cluster:
                 return end.kind, end.cluster
-        raise ValueError("no broker on either end")
+        return None
 
     @contextlib.asynccontextmanager
-    async def _journal(self) -> AsyncIterator[Journal]:
-        kind, name = self._where()
+    async def _journal(self, kind: str, name: str) -> AsyncIterator[Journal]:
         if kind == "jetstream":
             cluster = self.topo.nats(name)
             async with bnats.session(cluster, name=name, client_name="ferry-ctl-copy") as nc:
@@ -84,10 +83,10 @@ class CopyRecord:
                 yield ParamJournal(m, record_key(self.plan))
 
     async def _run(self) -> None:
-        if self.plan.source.kind == self.plan.destination.kind == "parquet":
-            return  # no broker to keep it in
+        if not (where := self._where()):
+            return  # Parquet to Parquet: no broker to keep it in
         try:
-            async with self._journal() as journal:
+            async with self._journal(*where) as journal:
                 await journal.open()
                 now = time.time()
                 first = {"source": str(self.plan.source), "destination": str(self.plan.destination)}
