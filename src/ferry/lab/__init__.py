@@ -307,10 +307,13 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
         health = state.health()
         bad = {k: v for k, v in health.items() if v != "ok"}
         if not bad:
-            if state.nats and not state.secure:
-                app_pw = (state.path / "secrets" / "app").read_text().strip()
-                for deployment in state.nats:
-                    lab_nats.warm_mqtt([lab_nats.NatsServer(**s) for s in deployment], app_pw)
+            for deployment in state.nats:
+                servers = [lab_nats.NatsServer(**s) for s in deployment]
+                if state.secure:
+                    creds = [state.path / "secrets" / f"{a.lower()}.creds" for a in lab_secure.APP_ACCOUNTS]
+                    lab_nats.warm_accounts(servers, creds)
+                else:
+                    lab_nats.warm_mqtt(servers, (state.path / "secrets" / "app").read_text().strip())
             return
         if time.monotonic() > deadline:
             name, why = next(iter(bad.items()))

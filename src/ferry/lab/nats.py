@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from ferry.errors import FerryError
 from ferry.lab.procs import Proc, free_ports
 from ferry.lab.secure import SYS_ACCOUNT, Secure, client_context
 
@@ -243,6 +244,39 @@ def health(servers: list[NatsServer]) -> dict[str, str]:
         for name in out:
             out[name] = f"servers disagree on the meta leader ({', '.join(sorted(leaders))})"
     return out
+
+
+def warm_accounts(servers: list[NatsServer], creds: list[Path], timeout: float = 60.0) -> None:
+    """Every account's JetStream answering on every server of a secure lab before `up` returns.
+
+    In operator mode a server registers an account on its first use, and for a while after that
+    its JetStream API can answer "JetStream is not enabled for this account" (err_code 10039;
+    nats-io/nats-server#4924): a test once met it on the lab's second account minutes after start.
+    """
+    import asyncio
+    import time
+
+    import nats
+
+    async def info(s: NatsServer, path: Path) -> str:
+        nc = await nats.connect(
+            f"tls://127.0.0.1:{s.client}", user_credentials=str(path), tls=s.client_tls(), allow_reconnect=False
+        )
+        try:
+            reply = json.loads((await nc.request("$JS.API.INFO", b"", timeout=5)).data)
+            return reply.get("error", {}).get("description", "")
+        except (TimeoutError, nats.errors.Error) as exc:
+            return str(exc) or type(exc).__name__
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        for path in creds:
+            while why := asyncio.run(info(s, path)):
+                if time.monotonic() > deadline:
+                    raise FerryError(f"lab: account {path.stem} on {s.name}: {why}")
+                time.sleep(0.25)
 
 
 def warm_mqtt(servers: list[NatsServer], app_pw: str, timeout: float = 60.0) -> None:
