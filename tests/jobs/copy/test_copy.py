@@ -44,7 +44,7 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
-N = 40_000
+N = 20_000
 
 
 def _payload(i: int) -> bytes:
@@ -210,17 +210,17 @@ def test_a_relay_task_goes_on_with_the_consumer_its_last_range_left(
         async with bnats.session(topo.nats("east")) as nc:
             return bnats.leader_of(await nc.jsm().consumer_info(source_stream, name))
 
-    first = relay(1, 10_000)
-    assert first[:2] == (10_000, 0) and first[2]
+    first = relay(1, 5_000)
+    assert first[:2] == (5_000, 0) and first[2]
     # messages come straight from the server that leads the consumer, not through another one, and
     # go straight to the one that leads the destination stream
     assert _link(cfg, to, source_stream).reader.w.server_name == asyncio.run(consumer_leader(first[2]))
     assert to.leader and _link(cfg, to, source_stream).dest.server_name == to.leader
-    assert relay(10_001, 25_000) == (15_000, 0, first[2]), "the next range did not go on with the consumer"
-    again = relay(5_001, 6_000)
+    assert relay(5_001, 12_500) == (7_500, 0, first[2]), "the next range did not go on with the consumer"
+    again = relay(2_001, 3_000)
     assert again[:2] == (0, 1_000), "a range relayed again was stored again"
     assert again[2] not in (None, first[2])
-    assert relay(25_001, N)[:2] == (N - 25_000, 0)
+    assert relay(12_501, N)[:2] == (N - 12_500, 0)
 
     async def gone() -> bool:
         async with bnats.session(topo.nats("east")) as nc:
@@ -254,7 +254,7 @@ def test_a_filtered_relay_goes_on_with_its_consumer_and_keeps_what_it_read_past_
     cfg, to = _relay_configs(topo, source_stream, "CRELAYF", "relayf.", subject="csrc.s3")
     key = ("relay", cfg, to, source_stream)
     consumers = []
-    for lo, hi in [(1, 9_990), (9_991, 9_999), (10_000, 30_000), (30_001, N)]:
+    for lo, hi in [(1, 4_990), (4_991, 4_999), (5_000, 15_000), (15_001, N)]:
         counts = relay_range(cfg, to, nats_reader.Range(source_stream, lo, hi, fetch=500))
         assert counts.duplicates == 0
         consumers.append(_link(cfg, to, source_stream).reader.consumer)

@@ -40,13 +40,16 @@ from tests.helpers import (
     panel_queries,
     prom_query,
     queue_depth,
+    snapshot_here,
     wait_for,
 )
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
 VHOSTS = {"fb-a": [f"fed-{i}" for i in range(5)], "fb /#%ü": [f"fed q/{i}#ü" for i in range(5)]}
-PER_QUEUE = 10_000
+# messages per federated queue: enough to watch a fail-back move, small enough for the suite's time; a
+# test that kills a transfer midway asks for more (`@pytest.mark.parametrize("dr", [N], indirect=True)`)
+PER_QUEUE = 2_000
 PLAIN = 100
 
 
@@ -82,8 +85,10 @@ async def _delete_shovel(topo: Topology, vhost: str, name: str, queue: str) -> N
 
 
 @pytest.fixture
-def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The setting with 10 x 10,000 messages on ltm (ledger in tmp_path/ledger) and 100 in each plain queue."""
+def dr(rabbit_dr: lab.LabState, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The setting with 10 x PER_QUEUE messages on ltm (ledger in tmp_path/ledger; a test may ask
+    for another number) and 100 in each plain queue."""
+    per_queue = getattr(request, "param", PER_QUEUE)
     topo = profile_topology(rabbit_dr)
     topology = rabbit_dr.path / "topology.yaml"
     for vhost, queues in VHOSTS.items():
@@ -101,7 +106,7 @@ def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
             "--subjects",
             "5",
             "--count",
-            str(5 * PER_QUEUE),
+            str(5 * per_queue),
             "--producers",
             "2",
             "--ledger",
@@ -114,6 +119,7 @@ def dr(rabbit_dr: lab.LabState, tmp_path: Path) -> Iterator[dict[str, Any]]:
         asyncio.run(fill_queue(topo, "ltm", vhost, "plain-0", PLAIN))
     asyncio.run(_publish_rich(topo))
     yield {
+        "per_queue": per_queue,
         "topo": topo,
         "topology": topology,
         "ledger": ledger,
@@ -144,7 +150,7 @@ RICH_HEADERS = {"tenant": "eu", "n": 7, "nested": {"k": [1, "two"]}, "ü": True}
 
 
 async def _publish_rich(topo: Topology) -> None:
-    """One message with properties and nested headers, on fb-a/fed-4 (which then holds PER_QUEUE + 1)."""
+    """One message with properties and nested headers, on fb-a/fed-4 (which then holds one more)."""
     conn = await amqp_connect(topo.rabbitmq("ltm"), vhost="fb-a")
     try:
         ch = await conn.channel(publisher_confirms=True)
@@ -154,8 +160,8 @@ async def _publish_rich(topo: Topology) -> None:
         await conn.close()
 
 
-def _expected(vhost: str, queue: str) -> int:
-    return PER_QUEUE + (vhost == "fb-a" and queue == "fed-4")
+def _expected(dr: dict[str, Any], vhost: str, queue: str) -> int:
+    return dr["per_queue"] + (vhost == "fb-a" and queue == "fed-4")
 
 
 def _assert_rich_preserved(snapshot: Path) -> None:
@@ -171,7 +177,7 @@ def _assert_rich_preserved(snapshot: Path) -> None:
 
 def _audit(spark: Any, dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
     snap = tmp_path / "pc1-snap"
-    ferry("snapshot", "rabbitmq://pc1/*/fed*", "--out", str(snap), "--federated", topology=dr["topology"], check=True)
+    snapshot_here(spark, dr["topology"], "rabbitmq://pc1/*/fed*", snap, federated=True)
     _assert_rich_preserved(snap)
     return judge(spark, dr["topology"], dr["ledger"], str(snap), tmp_path / "audit.html", max_dup=max_dup)
 
@@ -182,7 +188,7 @@ def _assert_done(dr: dict[str, Any]) -> None:
     pc1 = asyncio.run(_counts(topo, "pc1", []))
     for key, n in ltm.items():
         assert n == (PLAIN if key.endswith("plain-0") else 0), key  # drained; unfederated untouched
-    assert all(n >= _expected(*key.split("|")) for key, n in pc1.items()), pc1
+    assert all(n >= _expected(dr, *key.split("|")) for key, n in pc1.items()), pc1
     assert asyncio.run(_counts(topo, "art", [])) == dr["art"]  # nothing pulled from upstream
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]  # restored exactly
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
@@ -198,7 +204,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     dry = ferry("failback", "--from", "ltm", "--to", "pc1", "--dry-run", "--json", topology=topology, check=True)
     plan = json.loads(dry.stdout)["plan"]
     mine = [x for x in plan["queues"] if x["vhost"] in VHOSTS]
-    assert len(mine) == 10 and all(x["before"] == _expected(x["vhost"], x["queue"]) for x in mine)
+    assert len(mine) == 10 and all(x["before"] == _expected(dr, x["vhost"], x["queue"]) for x in mine)
     assert {(u["vhost"], u["name"]) for u in plan["upstreams"]} >= {(v, "art") for v in VHOSTS}
     assert dr["password"] not in dry.stdout + dry.stderr  # upstream URIs carry the password
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # the dry run changed nothing
@@ -212,7 +218,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     report = json.loads(result.stdout)
     assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
     rows = [r for r in report["queues"] if r["vhost"] in VHOSTS]
-    assert [r["moved"] for r in rows] == [_expected(r["vhost"], r["queue"]) for r in rows]
+    assert [r["moved"] for r in rows] == [_expected(dr, r["vhost"], r["queue"]) for r in rows]
     assert all(r["possible_duplicates"] == r["arrived"] == 0 for r in rows), rows
     assert len(rows) == 10 and all(r["left"] == 0 for r in rows)
     assert all(u["identical"] for u in report["upstreams_restored"])
@@ -232,7 +238,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     assert abs(last["rate"] - expected) < 0.2 * expected, (last, first)
 
     tier = _audit(spark, dr, tmp_path)  # every message once, counted by id (quorum queues too: issue 46)
-    assert tier["lost"] == tier["extra_copies"] == 0 and tier["tier_messages"] >= 10 * PER_QUEUE
+    assert tier["lost"] == tier["extra_copies"] == 0 and tier["tier_messages"] >= 10 * dr["per_queue"]
 
     again = ferry("failback", "--from", "ltm", "--to", "pc1", "--json", topology=topology, check=True)
     assert json.loads(again.stdout)["outcome"] == "nothing to do"
@@ -262,6 +268,7 @@ async def _linger(topo: Topology, ltm: Any, vhost: str, upstream: dict[str, Any]
         assert await running() == len(VHOSTS[vhost]), "the links stopped with their record: no F1 to test"
 
 
+@pytest.mark.parametrize("dr", [5_000], indirect=True)  # killed mid-transfer
 def test_failback_resumes_after_being_killed_twice(
     dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path, spark: Any
 ) -> None:
@@ -276,7 +283,7 @@ def test_failback_resumes_after_being_killed_twice(
 
     def transfer_under_way() -> bool:
         left = sum(asyncio.run(_counts(topo, "ltm", [])).values())
-        return left < 7 * PER_QUEUE
+        return left < 7 * dr["per_queue"]
 
     ferry_killed_when(upstreams_gone, *args, topology=topology)
     journal = asyncio.run(_leftovers(topo))["journal"]
@@ -294,18 +301,19 @@ def test_failback_resumes_after_being_killed_twice(
     assert result.returncode == (3 if report["possible_duplicates"] else 0), result.stderr[-3000:]
     assert report["outcome"].startswith("complete") and report["total"]["left"] == 0
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
-    assert report["total"]["before"] == 10 * PER_QUEUE + 1  # from the journal: the counts before the first run
+    assert report["total"]["before"] == 10 * dr["per_queue"] + 1  # from the journal: the counts before the first run
     _assert_done(dr)
     tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
     assert tier["lost"] == 0
 
 
+@pytest.mark.parametrize("dr", [10_000], indirect=True)  # its shovels must outlive the kill by seconds
 def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--max-active", "2")
 
     def transfer_under_way() -> bool:  # early, so the two shovels still have most of their queues
-        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 10 * PER_QUEUE - 500
+        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 10 * dr["per_queue"] - 500
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
     # the broker keeps shovelling without ferry; the rerun adopts the shovels still running. One
@@ -322,7 +330,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     asyncio.run(_delete_shovel(topo, ended["vhost"], ended["name"], queue))
     requeued = asyncio.run(queue_depth(topo, "ltm", ended["vhost"], queue))
     assert requeued > 0
-    _serve_shows_the_failback(topology, topo, tmp_path)  # still on record, with queues left
+    _serve_shows_the_failback(topology, topo, tmp_path, 10 * dr["per_queue"])  # still on record, with queues left
     result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-3000:]  # finished, with possible duplicates
     report = json.loads(result.stdout)
@@ -335,7 +343,7 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
 
 
-def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path) -> None:
+def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: int) -> None:
     """`ferry serve` on the real brokers shows the fail-back on record: its phase, the messages left
     in each queue and its progress, and never the upstreams' passwords its record holds; a real
     Prometheus scraping it answers the dashboard's fail-back panels."""
@@ -359,7 +367,7 @@ def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path) -> None
 
         text = wait_for(shown, 60, "serve's /metrics to show the fail-back")
         left = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("ferry_failback_messages_left{")]
-        assert len(left) == 10 and 0 < sum(left) < 10 * PER_QUEUE, left
+        assert len(left) == 10 and 0 < sum(left) < total, left
         assert 'ferry_operation_progress_ratio{id="ltm->pc1",kind="dr_failback"}' in text
         console = httpx.get(f"{url}/api/console", timeout=10)
         (op,) = [o for o in console.json()["operations"] if o["kind"] == "dr_failback"]

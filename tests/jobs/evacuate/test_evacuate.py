@@ -44,6 +44,7 @@ from tests.helpers import (
     finish,
     judge,
     make_stream,
+    snapshot_here,
     wait_for,
 )
 
@@ -484,7 +485,7 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
 
     finish(load)
     snap = tmp_path / "snap"
-    ferry("snapshot", "rabbitmq://rabbits/%2F/evac.q.*", "--out", str(snap), topology=topology, check=True)
+    snapshot_here(spark, topology, "rabbitmq://rabbits/%2F/evac.q.*", snap)
     # producers re-send what the broker had not confirmed when it closed them: at least once, so copies may appear
     a = judge(spark, topology, tmp_path / "ledger", str(snap), tmp_path / "audit.html", max_dup=1000)
     assert a["sent"] > 0 and a["lost"] == 0, a

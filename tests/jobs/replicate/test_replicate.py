@@ -85,9 +85,9 @@ def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, 
         resume = relay.event("resume")
         assert resume["after"] == {"RATE": 0} and resume["batched"] is True, resume  # ferry created RATE at sfo
         relay.event("relaying")
-        summary = finished(load(topology, "nyc", "rate.{n}", tmp_path / "ledger", 5000, 20))
-        # 100,000 offered; a busy machine's load generator falls behind (a CI run's move test sent 76 %)
-        assert summary["acked"] == summary["sent"] >= 66_000, summary
+        summary = finished(load(topology, "nyc", "rate.{n}", tmp_path / "ledger", 5000, 10))
+        # 50,000 offered; a busy machine's load generator falls behind (a CI run's move test sent 76 %)
+        assert summary["acked"] == summary["sent"] >= 33_000, summary
         n = same_count(topo, "RATE")
         assert n == summary["acked"]
 
