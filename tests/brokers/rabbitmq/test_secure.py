@@ -89,8 +89,9 @@ def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     assert json.loads(r.stdout)["stored"] == 3000
     snap = ferry("snapshot", "rabbitmq://ltm/%2F/from-js", "--out", str(tmp_path / "snap"), topology=topology)
     assert snap.returncode == 0, snap.stderr[-2000:]
+    # in tmp_path: the audit writes its report where it runs
     audit = ferry("audit", "--ledger", str(tmp_path / "ledger"), "--tier", f"q={tmp_path / 'snap'}", "--json",
-                  topology=topology)  # fmt: skip
+                  topology=topology, cwd=tmp_path)  # fmt: skip
     assert audit.returncode == 0, audit.stderr[-2000:]
     t = json.loads(audit.stdout)["tiers"]["q"]
     assert t["tier_messages"] == 3000 and t["lost"] == t["extra_copies"] == t["unexpected"] == 0, t
