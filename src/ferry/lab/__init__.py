@@ -310,7 +310,7 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
             for deployment in state.nats:
                 servers = [lab_nats.NatsServer(**s) for s in deployment]
                 if state.secure:
-                    creds = [state.path / "secrets" / f"{a.lower()}.creds" for a in lab_secure.APP_ACCOUNTS]
+                    creds = [lab_secure.creds_file(state.path / "secrets", a) for a in lab_secure.APP_ACCOUNTS]
                     lab_nats.warm_accounts(servers, creds)
                 else:
                     lab_nats.warm_mqtt(servers, (state.path / "secrets" / "app").read_text().strip())

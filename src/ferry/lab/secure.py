@@ -60,6 +60,11 @@ def client_context(tls_dir: str) -> ssl.SSLContext | bool:
     return ctx
 
 
+def creds_file(secrets: Path, account: str) -> Path:
+    """Where a secure lab keeps the .creds file of its user in `account` (under ``secrets/``)."""
+    return secrets / f"{account.lower()}.creds"
+
+
 def make(pdir: Path) -> Secure:
     """A CA, certificates for 127.0.0.1, an operator, its accounts and one user in each."""
     try:
@@ -92,7 +97,7 @@ def make(pdir: Path) -> Secure:
             limits = account.claims.nats.limits
             limits.memory_storage = limits.disk_storage = limits.streams = limits.consumer = -1
         user = account.create_user("ferry")
-        path = sdir / f"{name.lower()}.creds"
+        path = creds_file(sdir, name)
         path.write_text(
             f"-----BEGIN NATS USER JWT-----\n{user.jwt}\n------END NATS USER JWT------\n\n"
             f"-----BEGIN USER NKEY SEED-----\n{user.key_pair.seed.decode()}\n------END USER NKEY SEED------\n"
