@@ -23,7 +23,7 @@ import pytest
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.lab import prometheus as lab_prometheus
-from ferry.lab.procs import free_ports
+from ferry.lab.procs import Proc, free_ports
 from tests.conftest import profile_topology
 from tests.helpers import (
     FAILBACK_PANELS,
@@ -81,6 +81,15 @@ def chromium(url: str, out: Path, *mode: str) -> tuple[str, list[str]]:
         timeout=90,
     )
     return got.stdout, [line for line in got.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def prometheus_ready(prom: Proc, base: str) -> bool:
+    """Whether Prometheus answers ready; not listening yet is not ready, an exit fails at once."""
+    assert prom.alive(), f"Prometheus exited; see {prom.log}: {Path(prom.log).read_text()[-1500:]}"
+    try:
+        return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def evacuation_on_page(dom: str, node: str) -> tuple[str | None, float | None]:
@@ -169,7 +178,7 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         prom = lab_prometheus.proc(tmp_path / "prometheus", prom_port, targets, token_file, [rules])
         prom.start()
         base = f"http://127.0.0.1:{prom_port}"
-        wait_for(lambda: httpx.get(f"{base}/-/ready", timeout=2).status_code == 200, 30, "Prometheus ready")
+        wait_for(lambda: prometheus_ready(prom, base), 30, "Prometheus ready")
         wait_for(
             lambda: len(prom_query(base, 'up{job!="ferry-job"} == 1')) == 3,
             30,
