@@ -8,20 +8,29 @@ Marks say what a test needs: ``lab`` (real brokers), ``spark`` (a Spark session)
 A test that asks for a lab fixture or the Spark session without its mark is an
 error at collection, so ``make test-fast`` (``-m "not lab and not spark"``) can
 never start a server or a JVM.
+
+Mark ``connect`` (with ``spark``): the ``ferry`` commands the test runs do their Spark jobs on
+the suite's one Spark Connect server (``$FERRY_SPARK_REMOTE``), as on a shared Spark, instead
+of starting a JVM each (8 s or more apiece here). A test that kills ferry mid-job, or watches
+its local JVM, stays without it: a job on a server outlives its killed client.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ferry import lab
-from ferry.lab.procs import group_members
+from ferry.lab.procs import free_ports, group_members, port_open
 from ferry.topology import Topology, load_topology
 
 
@@ -97,6 +106,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmarked.append(f"{item.nodeid}: uses {', '.join(sorted(needs & LAB_FIXTURES))} without the lab mark")
         if "spark" in needs and not item.get_closest_marker("spark"):
             unmarked.append(f"{item.nodeid}: uses the spark fixture without the spark mark")
+        if item.get_closest_marker("connect") and not item.get_closest_marker("spark"):
+            unmarked.append(f"{item.nodeid}: has the connect mark without the spark mark")
     if unmarked:
         raise pytest.UsageError("tests whose marks do not say what they need:\n" + "\n".join(unmarked))
 
@@ -109,6 +120,53 @@ def profile_topology(state: lab.LabState) -> Topology:
 def spark():  # type: ignore[no-untyped-def]
     from ferry.spark.session import get_session
 
-    session = get_session(app_name="ferry tests")
+    session = get_session(master="local[*]", app_name="ferry tests")  # never the Connect server's
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_connect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Spark Connect server on this machine (``local[2]``, the suite's own Python for its
+    workers), started on first use: its sc:// URL."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    (port,) = free_ports(1)
+    env = {**os.environ, "SPARK_HOME": str(home), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env.pop("FERRY_SPARK_REMOTE", None)
+    log = tmp_path_factory.mktemp("connect") / "server.log"
+    conf = {
+        "spark.connect.grpc.binding.port": port,
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.ui.enabled": "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.python.worker.reuse": "true",
+    }
+    argv = [str(home / "bin" / "spark-submit"), "--master", "local[2]", "--driver-memory", "2g"]
+    argv += [a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]
+    argv += ["--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "spark-internal"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not port_open(port):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"Spark Connect did not start: {log.read_text()[-2000:]}"
+            )
+            time.sleep(0.5)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _spark_jobs_on_connect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests marked ``connect``: their ferry commands find the Connect server in the environment."""
+    if request.node.get_closest_marker("connect"):
+        monkeypatch.setenv("FERRY_SPARK_REMOTE", request.getfixturevalue("spark_connect"))

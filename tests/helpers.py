@@ -69,6 +69,8 @@ def ferry_killed_when(
 ) -> tuple[int, str]:
     """Start the CLI, signal its whole process group (driver, JVM, workers: as Ctrl-C does) once
     `condition()` holds; its exit code and stderr."""
+    if sig == signal.SIGKILL and os.environ.get("FERRY_SPARK_REMOTE"):
+        raise AssertionError("a killed ferry's job runs on on the Connect server: no connect mark on this test")
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     proc = subprocess.Popen(
         [*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True

@@ -23,50 +23,13 @@ from tests.helpers import ferry, ferry_killed_when, fill_stream, make_stream, re
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
 
-@pytest.fixture(scope="module")
-def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = Path(pyspark.__file__).parent
-    (port,) = free_ports(1)
-    env = {**os.environ, "SPARK_HOME": str(home), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    log = tmp_path_factory.mktemp("connect") / "server.log"
-    proc = subprocess.Popen(
-        [
-            str(home / "bin" / "spark-submit"),
-            "--class",
-            "org.apache.spark.sql.connect.service.SparkConnectServer",
-            "--master",
-            "local[2]",
-            "--conf",
-            f"spark.connect.grpc.binding.port={port}",
-            "--conf",
-            "spark.connect.grpc.binding.address=127.0.0.1",
-            "--conf",
-            "spark.ui.enabled=false",
-            "spark-internal",
-        ],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 90
-    while not port_open(port):
-        assert proc.poll() is None and time.monotonic() < deadline, (
-            f"Spark Connect did not start: {log.read_text()[-2000:]}"
-        )
-        time.sleep(0.5)
-    yield f"sc://127.0.0.1:{port}"
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
-
-
-def test_copy_through_spark_connect(supercluster: lab.LabState, connect_server: str, tmp_path: Path) -> None:
+def test_copy_through_spark_connect(supercluster: lab.LabState, spark_connect: str, tmp_path: Path) -> None:
     topo = profile_topology(supercluster)
     topology = supercluster.path / "topology.yaml"
     asyncio.run(make_stream(topo, "east", "SCSRC", ["scsrc.>"], placement="east"))
     asyncio.run(fill_stream(topo, "east", 3000, subject=lambda i: f"scsrc.{i % 3}", payload=lambda i: b"m%d" % i))
     asyncio.run(make_stream(topo, "west", "SCDST", ["sc.scsrc.>"], placement="west"))
-    args = ["--spark-remote", connect_server, "--json"]
+    args = ["--spark-remote", spark_connect, "--json"]
     report = json.loads(
         ferry(
             "copy",
@@ -90,7 +53,7 @@ def test_copy_through_spark_connect(supercluster: lab.LabState, connect_server: 
     assert report["stored"] == 3000
 
 
-def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, connect_server: str) -> None:
+def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, spark_connect: str) -> None:
     """The job runs on the server: Ctrl-C must stop it there too, not only the client (the
     server would otherwise copy on, unwatched, until it finished)."""
     topo = profile_topology(supercluster)
@@ -104,7 +67,7 @@ def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, 
         lambda: stream_count(topo, "west", "SCINTD") >= 1000,
         *args,
         "--spark-remote",
-        connect_server,
+        spark_connect,
         topology=topology,
         sig=signal.SIGINT,
     )
@@ -120,7 +83,7 @@ def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, 
     assert stream_count(topo, "west", "SCINTD") == counts[-1] < 20_000
 
 
-def test_unreachable_connect_server_is_one_line(supercluster: lab.LabState) -> None:
+def test_unreachable_spark_connect_is_one_line(supercluster: lab.LabState) -> None:
     asyncio.run(make_stream(profile_topology(supercluster), "east", "SCEMPTY", ["scempty.>"], placement="east"))
     (port,) = free_ports(1)
     result = ferry(

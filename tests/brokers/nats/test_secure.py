@@ -83,6 +83,7 @@ def test_move_under_load_on_the_secure_lab_loses_nothing(secure: lab.LabState, t
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
 
 
+@pytest.mark.connect
 @pytest.mark.spark
 def test_a_stream_of_the_second_account_is_moved_under_load_copied_and_audited(
     secure: lab.LabState, tmp_path: Path, spark: Any
@@ -115,6 +116,8 @@ def test_a_stream_of_the_second_account_is_moved_under_load_copied_and_audited(
     assert len(held) == len(set(held)) == t["tier_messages"] and acked_ids(tmp_path / "ledger") <= set(held)
 
 
+@pytest.mark.spark
+@pytest.mark.connect
 def test_a_spark_copy_on_the_secure_lab_copies_every_message_once(secure: lab.LabState, tmp_path: Path) -> None:
     """The data plane's own NATS client, in Spark's executors, over TLS with a .creds file."""
     topology = secure.path / "topology.yaml"
@@ -257,6 +260,8 @@ def _user_seed() -> bytes:
     return create_user_pair().seed
 
 
+@pytest.mark.spark
+@pytest.mark.connect
 def test_an_nkey_user_and_a_token_reach_the_control_and_data_planes(plain_auth: dict[str, Any]) -> None:
     d = plain_auth["dir"]
     doc = {"version": 1, "sites": {"s": {"clusters": {

@@ -57,6 +57,8 @@ def test_the_secure_rabbitmq_lab_is_tls_only_and_checks_clean(secure_rabbit_dr: 
     assert all(p["identity"] == "user ferry (tags administrator)" for p in probes if p["endpoint"] == "management")
 
 
+@pytest.mark.spark
+@pytest.mark.connect
 def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     """The queue mover's raw AMQP client (Spark's executors) and the control plane's over amqps."""
     topology = secure_rabbit_dr.path / "topology.yaml"
@@ -72,6 +74,7 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
         assert len(held) == len(set(held)) == 2000 and set(held) == acked[q], q
 
 
+@pytest.mark.connect
 @pytest.mark.spark
 def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     secure_supercluster: lab.LabState, secure_rabbit_dr: lab.LabState, tmp_path: Path

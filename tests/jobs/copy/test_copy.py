@@ -319,6 +319,7 @@ def test_ranges_read_as_the_stream_grows_get_every_message_up_to_their_end(
     assert not short, f"{len(short)} of {reads} ranges ended early: {short[:3]}"
 
 
+@pytest.mark.connect
 def test_a_sequence_range_copies_exactly_it_and_the_plan_counts_it(
     supercluster: lab.LabState, source_stream: str
 ) -> None:
@@ -437,6 +438,7 @@ def _writing_to(topo: Topology) -> set[str]:
     return found
 
 
+@pytest.mark.connect
 def test_parquet_round_trip_is_byte_identical(
     supercluster: lab.LabState, source_stream: str, tmp_path: Path, spark
 ) -> None:
@@ -502,6 +504,7 @@ def test_an_interrupted_backup_leaves_nothing_and_runs_again(
     assert json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)["stored"] == N
 
 
+@pytest.mark.connect
 def test_a_backup_to_parquet_reports_progress(
     supercluster: lab.LabState, source_stream: str, tmp_path: Path, spark
 ) -> None:
@@ -517,6 +520,7 @@ def test_a_backup_to_parquet_reports_progress(
     assert seen == sorted(seen) and all(0 <= n <= N for n in seen)
 
 
+@pytest.mark.connect
 def test_progress_into_parquet_counts_what_the_source_readers_delivered(
     supercluster: lab.LabState, source_stream: str, tmp_path: Path
 ) -> None:
@@ -622,6 +626,7 @@ def test_queue_copy_across_vhosts_survives_kill(rabbit_dr: lab.LabState) -> None
     assert duplicates <= report["possible_duplicates"], "a duplicate was not counted in the summary"
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize(
     ("src", "dst", "message"),
     [
@@ -643,6 +648,7 @@ def test_bad_input_is_one_line_and_moves_nothing(
     assert not Path("/tmp/ferry-nope").exists()
 
 
+@pytest.mark.connect
 def test_create_with_subjects_taken_is_one_line_and_creates_nothing(
     supercluster: lab.LabState, source_stream: str
 ) -> None:
@@ -667,6 +673,7 @@ def test_create_with_subjects_taken_is_one_line_and_creates_nothing(
     assert not asyncio.run(exists())
 
 
+@pytest.mark.connect
 def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_nothing(
     supercluster: lab.LabState, source_stream: str
 ) -> None:
@@ -709,6 +716,7 @@ def test_a_failed_write_has_closed_its_reader_when_it_raises(supercluster: lab.L
         loop.close()
 
 
+@pytest.mark.connect
 def test_unknown_queue_and_wrong_credentials(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     topology = rabbit_dr.path / "topology.yaml"
     result = ferry("copy", "rabbitmq://ltm/%2F/no-such-queue", "rabbitmq://pc1/%2F/q0", topology=topology)

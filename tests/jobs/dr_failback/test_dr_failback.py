@@ -194,6 +194,7 @@ def _assert_done(dr: dict[str, Any]) -> None:
     assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
 
 
+@pytest.mark.connect
 @pytest.mark.parametrize("engine", ["shovel", "spark"])
 def test_failback_moves_every_orphaned_message_and_restores_federation(
     dr: dict[str, Any], tmp_path: Path, engine: str, spark: Any
@@ -384,6 +385,7 @@ def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: 
         prom.stop()
 
 
+@pytest.mark.connect
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
     before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
@@ -529,6 +531,7 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
         assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"
 
 
+@pytest.mark.connect
 def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabState) -> None:
     """`ferry lab failback-setting`, as the README gives it to a new user: the dry run lists its
     queues, and the fail-back brings every message home."""
@@ -560,6 +563,7 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         asyncio.run(drop())
 
 
+@pytest.mark.connect
 def test_a_federated_queue_snapshot_keeps_queue_order_and_what_the_queue_held(
     rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:

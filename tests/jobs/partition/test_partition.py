@@ -26,7 +26,7 @@ from ferry.jobs.partition.map import Partition
 from ferry.jobs.partition.plan import list_streams
 from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, served, start_load
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark]
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.connect]
 
 
 def write_map(path: Path, name: str, partitions: list[dict[str, Any]]) -> Path:

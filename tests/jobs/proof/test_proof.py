@@ -55,6 +55,8 @@ def test_console_check_catches_a_broken_page(tmp_path: Path) -> None:
     assert any("missingFunction" in line for line in chromium(page, tmp_path / "bad.png"))
 
 
+@pytest.mark.spark
+@pytest.mark.connect
 def test_load_snapshot_audit_and_named_losses(
     supercluster: lab.LabState, rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
