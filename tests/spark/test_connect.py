@@ -83,7 +83,7 @@ def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, 
     assert stream_count(topo, "west", "SCINTD") == counts[-1] < 20_000
 
 
-def test_unreachable_spark_connect_is_one_line(supercluster: lab.LabState) -> None:
+def test_unreachable_connect_server_is_one_line(supercluster: lab.LabState) -> None:
     asyncio.run(make_stream(profile_topology(supercluster), "east", "SCEMPTY", ["scempty.>"], placement="east"))
     (port,) = free_ports(1)
     result = ferry(
