@@ -129,6 +129,11 @@ class Journal:
         """Every key's state (deleted keys left out), in one read rather than one per key."""
         raise NotImplementedError
 
+    async def version(self) -> Any:
+        """A value that changes whenever any key does, cheaper to read than :meth:`all`: a reader
+        keeps what it read while it stays the same. None: not known (read again)."""
+        return None
+
     async def save(self, release: bool = False, **changes: Any) -> None:
         raise NotImplementedError
 
@@ -190,6 +195,12 @@ class KvJournal(Journal):
             info = await self.nc.jsm().stream_info(f"KV_{BUCKET}", subjects_filter=prefix + pattern)
             out += [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
         return out
+
+    async def version(self) -> tuple[int, int, int]:
+        """The bucket stream's first and last sequence and message count: any put or delete moves
+        the last, a record aged or purged out the first or the count."""
+        state = (await self.nc.jsm().stream_info(f"KV_{BUCKET}")).state
+        return state.first_seq, state.last_seq, state.messages
 
     async def all(self) -> dict[str, dict[str, Any]]:
         """One ordered consumer over the last message of each key, read until every key the

@@ -103,6 +103,30 @@ async def test_saved_state_is_read_back_with_its_owner_from_another_journal(
 
 
 @pytest.mark.lab
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_version_stays_while_nothing_changes_and_moves_on_every_write(
+    kind: str, supercluster: lab.LabState, rabbit_dr: lab.LabState
+) -> None:
+    """What lets `ferry serve` read a journal in full only when it changed: a put, a save of the
+    same key and a delete each move the version; reads do not. A store that cannot tell says None."""
+    key = f"test.{uuid.uuid4().hex[:8]}"
+    async with store(kind, supercluster, rabbit_dr) as make:
+        a = await make(key)
+        first = await a.version()
+        if kind == "param":
+            assert first is None
+            return
+        await a.all()
+        assert await a.version() == first, "a read moved the version"
+        seen = [first]
+        for write in (lambda: a.save(phase="one"), lambda: a.save(phase="two"), a.delete):
+            await write()
+            now = await a.version()
+            assert now not in seen, (seen, now)
+            seen.append(now)
+
+
+@pytest.mark.lab
 async def test_kv_saves_are_compare_and_set(supercluster: lab.LabState, rabbit_dr: lab.LabState) -> None:
     """Two drivers of one key: the one whose revision is old cannot write, whatever the timing."""
     key = f"test.{uuid.uuid4().hex[:8]}"

@@ -1,5 +1,6 @@
-"""What `ferry serve` knows, kept current in the background: every cluster's journal read twice a
-second (every job's operations on record, whichever ferry wrote them), and the live figures only
+"""What `ferry serve` knows, kept current in the background: every cluster's journal checked twice a
+second and read again when it changed (every job's operations on record, whichever ferry wrote
+them), and the live figures only
 the brokers know (an evacuated node's connections, a fail-back's queues, a stopped relay's lag),
 read every few seconds with bounded waits. Answers (the availability check, ``/metrics``, the
 console) are made from these copies and never wait on a broker."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import time
 from typing import Any
@@ -135,9 +137,14 @@ class Registry:
 
     async def _poll(self, name: str, journal: Journal) -> None:
         await journal.open()
+        read: tuple[Any, dict[str, dict[str, Any]]] | None = None  # (version, states) of the last full read
         while True:
             began = time.monotonic()  # the heartbeats read are at least this old
-            states = await journal.all()
+            version = await journal.version()
+            if read is None or version is None or version != read[0]:
+                # read in full only on a change: one stream info a poll instead of a consumer
+                read = (version, await journal.all())
+            states = copy.deepcopy(read[1])
             if isinstance(journal, ParamJournal) and (record := await read_journal(journal.m)):
                 states[FAILBACK_KEY] = record
             if isinstance(journal, KvJournal):
