@@ -1,9 +1,9 @@
 """What `ferry serve` knows, kept current in the background: every cluster's journal checked twice a
 second and read again when it changed (every job's operations on record, whichever ferry wrote
-them), and the live figures only
-the brokers know (an evacuated node's connections, a fail-back's queues, a stopped relay's lag),
-read every few seconds with bounded waits. Answers (the availability check, ``/metrics``, the
-console) are made from these copies and never wait on a broker."""
+them), and the live figures only the brokers know (an evacuated node's connections, a fail-back's
+queues, a stopped relay's lag), read every few seconds with bounded waits. Answers (the
+availability check, ``/metrics``, the console) are made from these copies and never wait on a
+broker."""
 
 from __future__ import annotations
 
