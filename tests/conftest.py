@@ -4,6 +4,10 @@ Lab directories live under a world-traversable temporary directory because the
 RabbitMQ nodes run as user ``rabbitmq``. Every fixture checks at teardown that
 no process it started is left (by pid and process group).
 
+A session's lab (and the Spark Connect server) stops after the last module that uses it, and the
+modules that use the ``sites`` lab (relays, whose delays are timed) run last: by then the other
+labs are down and take no CPU from them.
+
 Marks say what a test needs: ``lab`` (real brokers), ``spark`` (a Spark session).
 A test that asks for a lab fixture or the Spark session without its mark is an
 error at collection, so ``make test-fast`` (``-m "not lab and not spark"``) can
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,33 +49,52 @@ def lab_dir() -> Iterator[Path]:
     assert not leftovers, f"profiles left running by a test: {leftovers}"
 
 
-def _profile(name: str, lab_dir: Path, haproxy: bool = False, secure: bool = False) -> Iterator[lab.LabState]:
+# session fixture name -> how to stop what it started; `_stop` runs it once, after the fixture's
+# last module (pytest_runtest_teardown) or at the fixture's own teardown, whichever comes first
+_STOPS: dict[str, Callable[[], None]] = {}
+EARLY_STOP = {"supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster", "spark_connect"}
+
+
+def _stop(fixture: str) -> None:
+    stop = _STOPS.pop(fixture, None)
+    if stop is not None:
+        stop()
+
+
+def _profile(
+    fixture: str, name: str, lab_dir: Path, haproxy: bool = False, secure: bool = False
+) -> Iterator[lab.LabState]:
     state = lab.up(name, lab_dir, log=lambda _: None, haproxy=haproxy, secure=secure)
+
+    def down() -> None:
+        pgids = [p.pid for p in state.procs]
+        lab.down(name, lab_dir, log=lambda _: None)
+        left = {pgid: group_members(pgid) for pgid in pgids if group_members(pgid)}
+        assert not left, f"lab {name} left processes behind: {left}"
+
+    _STOPS[fixture] = down
     yield state
-    pgids = [p.pid for p in state.procs]
-    lab.down(name, lab_dir, log=lambda _: None)
-    left = {pgid: group_members(pgid) for pgid in pgids if group_members(pgid)}
-    assert not left, f"lab {name} left processes behind: {left}"
+    _stop(fixture)
 
 
 @pytest.fixture(scope="session")
 def supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("supercluster", lab_dir, haproxy=True)
+    yield from _profile("supercluster", "supercluster", lab_dir, haproxy=True)
 
 
 @pytest.fixture(scope="session")
 def sites(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("sites", lab_dir)
+    yield from _profile("sites", "sites", lab_dir)
 
 
 @pytest.fixture(scope="session")
 def rabbit_dr(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("rabbit-dr", lab_dir)
+    yield from _profile("rabbit_dr", "rabbit-dr", lab_dir)
 
 
 @pytest.fixture(scope="session")
 def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
-    yield from _profile("rabbit-cluster", lab_dir, haproxy=True)
+    yield from _profile("rabbit_cluster", "rabbit-cluster", lab_dir, haproxy=True)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +103,7 @@ def secure_supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
     the plain one)."""
     root = lab_dir / "secure"
     root.mkdir(mode=0o755, exist_ok=True)
-    yield from _profile("supercluster", root, secure=True)
+    yield from _profile("secure_supercluster", "supercluster", root, secure=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +114,7 @@ def secure_rabbit_dr(lab_dir: Path) -> Iterator[lab.LabState]:
     assertion (a relay's p99 delay over 2 s)."""
     root = lab_dir / "secure"
     root.mkdir(mode=0o755, exist_ok=True)
-    yield from _profile("rabbit-dr", root, secure=True)
+    yield from _profile("secure_rabbit_dr", "rabbit-dr", root, secure=True)
 
 
 LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
@@ -110,6 +133,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmarked.append(f"{item.nodeid}: has the connect mark without the spark mark")
     if unmarked:
         raise pytest.UsageError("tests whose marks do not say what they need:\n" + "\n".join(unmarked))
+    items.sort(key=lambda item: "sites" in _fixtures(item))  # stable: the relays' modules last
+
+
+def _fixtures(item: pytest.Item) -> set[str]:
+    return set(getattr(item, "fixturenames", ()))
+
+
+_LAST = pytest.StashKey[dict[str, list[str]]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note, for each fixture of EARLY_STOP, the test after which it stops: the end of the run of
+    tests of one module that holds its last user (a module's fixtures are down by then)."""
+    items = session.items
+    modules = [item.nodeid.split("::")[0] for item in items]
+    last = {name: i for i, item in enumerate(items) for name in _fixtures(item) & EARLY_STOP}
+    stops: dict[str, list[str]] = {}
+    for name, i in last.items():
+        while i + 1 < len(items) and modules[i + 1] == modules[i]:
+            i += 1
+        stops.setdefault(items[i].nodeid, []).append(name)
+    session.config.stash[_LAST] = stops
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    result = yield
+    for name in item.config.stash.get(_LAST, {}).get(item.nodeid, []):
+        _stop(name)
+    return result
 
 
 def profile_topology(state: lab.LabState) -> Topology:
@@ -148,6 +201,16 @@ def spark_connect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     argv += ["--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "spark-internal"]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    _STOPS["spark_connect"] = stop
     try:
         deadline = time.monotonic() + 90
         while not port_open(port):
@@ -157,12 +220,7 @@ def spark_connect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             time.sleep(0.5)
         yield f"sc://127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        _stop("spark_connect")
 
 
 @pytest.fixture(autouse=True)
