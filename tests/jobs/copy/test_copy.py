@@ -694,6 +694,34 @@ def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_noth
     assert asyncio.run(counts()) == [0, N]
 
 
+@pytest.mark.connect
+def test_a_queue_copied_into_a_stream_takes_the_prefix_and_a_subject_not_captured_is_refused(
+    supercluster: lab.LabState, rabbit_dr: lab.LabState, lab_dir: Path
+) -> None:
+    """Into a stream on ``rmq.>``: without --subject-prefix the routing key ``rq-js`` is no subject
+    of the stream, refused before its first publish (the queue keeps every message); with
+    ``--subject-prefix rmq.`` every message arrives once, on ``rmq.rq-js``."""
+    topology = lab_dir / "topology.yaml"  # both labs' clusters
+    sc, dr = profile_topology(supercluster), profile_topology(rabbit_dr)
+    n = 3_000
+    asyncio.run(make_stream(sc, "east", "FROMRMQ", ["rmq.>"], placement="east"))
+    asyncio.run(make_queues(dr, "pc1", "/", ["rq-js"], quorum=set()))
+    asyncio.run(fill_queue(dr, "pc1", "/", "rq-js", n, lambda i: aio_pika.Message(b"m", message_id=f"rq-{i}")))
+
+    refused = ferry("copy", "rabbitmq://pc1/%2F/rq-js", "jetstream://east/FROMRMQ", topology=topology, timeout=120)
+    said = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert "subject 'rq-js' (routing key 'rq-js') is not one of FROMRMQ's subjects (rmq.>)" in said, said
+    assert stream_count(sc, "east", "FROMRMQ") == 0
+    assert asyncio.run(queue_depth(dr, "pc1", "/", "rq-js")) == n
+
+    args = ["copy", "rabbitmq://pc1/%2F/rq-js", "jetstream://east/FROMRMQ", "--subject-prefix", "rmq.", "--json"]
+    report = json.loads(ferry(*args, topology=topology, check=True).stdout)
+    rows = asyncio.run(read_stream(sc, "east", "FROMRMQ"))
+    assert Counter(r["msg_id"] for r in rows) == Counter(f"rq-{i}" for i in range(n))
+    assert {r["subject"] for r in rows} == {"rmq.rq-js"} and report["stored"] == n
+
+
 def test_a_failed_write_has_closed_its_reader_when_it_raises(supercluster: lab.LabState, source_stream: str) -> None:
     """What a copy task runs: its rows' read-ahead task and connections are gone when the write
     raises, not left to asyncio.run's teardown, which cancels nats-py's own tasks with them (a

@@ -42,6 +42,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pamqp import commands
 from pamqp.header import ContentHeader
 
+from ferry import subjects
 from ferry.brokers.base import WriteCounts
 from ferry.brokers.nats.publish import Pacer, Publisher
 from ferry.brokers.nats.wire import Wire
@@ -261,9 +262,14 @@ class _RabbitSink(_Sink):
 
 
 class _JetStreamSink(_Sink):
+    """Publishes each message on ``subject_prefix`` + its routing key (or the spec's ``subject``),
+    once the subject is found among the destination stream's ``subjects``: a subject no stream
+    captures is refused before its first publish, not left to time out unacknowledged."""
+
     def __init__(self, spec: dict[str, Any], transfer_id: str) -> None:
         super().__init__()
         self.spec, self.transfer_id = spec, transfer_id
+        self.captured: set[str] = set()  # subjects checked against the stream's, a bounded cache
 
     async def open(self) -> None:
         cluster = NatsCluster.model_validate_json(self.spec["cluster"])
@@ -283,8 +289,22 @@ class _JetStreamSink(_Sink):
         headers[TRANSFER_HDR] = self.transfer_id
         if self.spec.get("stream"):
             headers["Nats-Expected-Stream"] = self.spec["stream"]
-        subject = self.spec.get("subject") or d.routing_key or ""
+        subject = self.spec.get("subject_prefix", "") + (self.spec.get("subject") or d.routing_key or "")
+        if subject not in self.captured:
+            self._check(subject, d.routing_key, source)
         await self.pub.publish(subject, d.body, headers=headers, msg_id=d.message_id, ctx=tag)
+
+    def _check(self, subject: str, routing_key: str, source: str) -> None:
+        stream, patterns = self.spec.get("stream") or "the stream", self.spec.get("subjects")
+        if patterns is not None and not any(subjects.matches(p, subject) for p in patterns):
+            taken = ", ".join(patterns) or "none"
+            raise FerryError(
+                f"moving {source}: subject {subject!r} (routing key {routing_key!r}) is not one of "
+                f"{stream}'s subjects ({taken}): --subject-prefix maps them"
+            )
+        if len(self.captured) >= 10_000:
+            self.captured.clear()
+        self.captured.add(subject)
 
     async def flush(self) -> None:
         await self.pub.flush()

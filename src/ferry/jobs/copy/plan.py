@@ -49,6 +49,7 @@ class CopyPlan:
     anti_join: bool = False  # parallel: destination already holds part of this source
     batched: bool = False  # into a stream that allows fast batch publishing
     leader: str = ""  # the destination stream's leader, when planned
+    subjects: list[str] | None = None  # the destination stream's subjects, when planned
     transfer_id: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -269,6 +270,7 @@ async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:
             plan.notes.append(f"created stream {dst.stream} in {dst.cluster}")
         _use_batches(plan, bool(info.config.allow_batched))  # servers before 2.14 drop the setting
         plan.leader = bnats.leader_of(info)
+        plan.subjects = list(info.config.subjects or [])
         if plan.source.kind == "rabbitmq" or info.state.messages == 0:
             return
         if plan.source.kind == "jetstream":

@@ -245,6 +245,8 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
             "name": dst.cluster,
             "stream": dst.stream,
             "leader": plan.leader,
+            "subject_prefix": plan.options.subject_prefix,
+            "subjects": plan.subjects,
         }
     else:
         sink = {"kind": "parquet", "path": str(Path(dst.path or "").absolute())}
