@@ -180,7 +180,8 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
         print(f"rabbitmq (round {round_}): ferry copy pc1 -> ltm", flush=True)
         with PeakRss(pids=beams) as broker:
             run = run_ferry(
-                ["copy", "rabbitmq://pc1/%2F/*", "rabbitmq://ltm/%2F/*", *extra], state.path / "topology.yaml"
+                ["copy", "rabbitmq://pc1/%2F/*", "rabbitmq://ltm/%2F/*", "--drain", *extra],
+                state.path / "topology.yaml",
             )
         report = run["report"]
         landed = asyncio.run(_depths(topo, "ltm"))

@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 from ferry.errors import UsageError
 
 __all__ = [
+    "Capture",
     "SubjectError",
     "SubjectIndex",
     "covers",
@@ -100,6 +101,26 @@ def _match_tokens(p: list[str], s: list[str]) -> bool:
 def matches(pattern: str, subject: str) -> bool:
     """Does the literal `subject` match `pattern`?"""
     return _match_tokens(tokens(pattern), tokens(subject, literal=True))
+
+
+class Capture:
+    """Whether a stream of subjects `patterns` captures a literal subject; the subjects found so
+    far are remembered (up to 10,000), so a writer can ask for every message."""
+
+    def __init__(self, patterns: Iterable[str]) -> None:
+        self.patterns = [tokens(p) for p in patterns]
+        self.text = ", ".join(patterns) or "none"
+        self._seen: set[str] = set()
+
+    def __call__(self, subject: str) -> bool:
+        if subject in self._seen:
+            return True
+        if not any(_match_tokens(p, tokens(subject, literal=True)) for p in self.patterns):
+            return False
+        if len(self._seen) >= 10_000:
+            self._seen.clear()
+        self._seen.add(subject)
+        return True
 
 
 def intersection(a: str, b: str) -> str | None:

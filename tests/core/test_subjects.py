@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferry.subjects import (
+    Capture,
     SubjectError,
     SubjectIndex,
     covers,
@@ -215,3 +216,11 @@ def test_route_finds_the_owner_among_disjoint_patterns(patterns: list[str]) -> N
     for s in UNIVERSE:
         owners = [p for p in disjoint if matches(p, s)]
         assert index.route(s) == (owners[0] if owners else None)
+
+
+def test_a_capture_answers_as_matches_does_for_each_subject_it_is_asked_again() -> None:
+    capture = Capture(["rmq.>", "orders.*"])
+    asked = ["rmq.a", "rmq.a.b", "rmq", "orders.eu", "orders.eu.x", "orders.eu", "rq-js", "rmq.a"]
+    assert [capture(s) for s in asked] == [True, True, False, True, False, True, False, True]
+    assert capture.text == "rmq.>, orders.*" and Capture([]).text == "none"
+    assert not Capture([])("anything")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -158,6 +158,19 @@ async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: 
             raise AuthError(f"MQTT {parts.hostname}:{parts.port}: {rc}")
         raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: {rc}")
     return "CONNACK accepted"
+
+
+Batches = Iterable[Any] | AsyncIterable[Any]  # of Arrow record batches: Spark's (sync) or a reader's
+
+
+async def each_batch(batches: Batches) -> AsyncIterator[Any]:
+    """The batches of a synchronous or an asynchronous iterable, asynchronously."""
+    if isinstance(batches, AsyncIterable):
+        async for batch in batches:
+            yield batch
+    else:
+        for batch in batches:
+            yield batch
 
 
 @dataclass

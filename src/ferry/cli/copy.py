@@ -25,13 +25,22 @@ def copy_cmd(
     rate: Annotated[float | None, typer.Option(min=1, help="Messages per second, all tasks together.")] = None,
     create: Annotated[bool, typer.Option(help="Create a missing destination stream/queue like the source.")] = False,
     subject_prefix: Annotated[str, typer.Option(help="Prefix added to every subject written to JetStream.")] = "",
+    drain: Annotated[
+        bool, typer.Option("--drain", help="Queues: move their messages out (default: read and requeue, keep them).")
+    ] = False,
+    federated: Annotated[
+        bool, typer.Option("--federated", help="Queues: read a federated queue all the same (may pull upstream's).")
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Copy messages between streams, queues and Parquet, as a Spark job."""
+    """Copy messages between streams, queues and Parquet, as a Spark job.
+
+    A queue is read without consuming it (each message held unacked, copied, then requeued);
+    --drain moves its messages out instead, leaving it empty."""
     from ferry.jobs.copy.plan import CopyOptions, plan_copy
     from ferry.jobs.copy.record import CopyRecord
     from ferry.jobs.copy.run import run_copy
@@ -39,7 +48,14 @@ def copy_cmd(
 
     topo = open_topology(topology)
     opts = CopyOptions(
-        mode=mode, partitions=partitions, rate=rate, create=create, dry_run=dry_run, subject_prefix=subject_prefix
+        mode=mode,
+        partitions=partitions,
+        rate=rate,
+        create=create,
+        dry_run=dry_run,
+        subject_prefix=subject_prefix,
+        drain=drain,
+        federated=federated,
     )
     plan = plan_copy(topo, source, destination, opts)
     if dry_run:
@@ -68,7 +84,8 @@ def copy_cmd(
         f"({report.rate:,.0f} msg/s)"
     )
     if report.queues:
-        table = Table("vhost", "queue", "before", "moved", "left", "redelivered", "seconds")
+        verb = "moved" if plan.engine == "mover" else "copied"
+        table = Table("vhost", "queue", "before", verb, "left", "redelivered", "seconds")
         for r in report.queues:
             table.add_row(
                 r["vhost"],
@@ -80,6 +97,12 @@ def copy_cmd(
                 f"{r['seconds']:.1f}",
             )
         out.print(table)
+        left = sum(r["left"] for r in report.queues)
+        out.print(
+            f"the source queues were drained: {left:,} messages left in them"
+            if plan.engine == "mover"
+            else f"the source queues keep their messages: {left:,} ready in them again, now redelivered"
+        )
     if report.possible_duplicates:
         out.print(redelivered_warning(report.possible_duplicates))
 

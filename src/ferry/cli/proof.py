@@ -130,13 +130,9 @@ def snapshot_cmd(
 
     spark = factory(spark_master, spark_remote, app_name="ferry snapshot", data_sources=False)
 
-    if source.startswith("jetstream:"):  # a stream's readers count what they got
-        result = snapshot(
-            topo, spark, source, out_dir, federated, progress=lambda n: progress_bar(n, "snapshot", enabled=not as_json)
-        )
-    else:
-        with busy(f"snapshot of {source} (a Spark job)", not as_json):
-            result = snapshot(topo, spark, source, out_dir, federated)
+    result = snapshot(
+        topo, spark, source, out_dir, federated, progress=lambda n: progress_bar(n, "snapshot", enabled=not as_json)
+    )
     if as_json:
         print_json(result)
         return

@@ -19,7 +19,7 @@ from ferry.spark.options import per_index
 
 _MOVE_SCHEMA = pa.schema(
     [("vhost", pa.string()), ("queue", pa.string())]
-    + [(name, pa.int64()) for name in ("before", "moved", "bytes", "redelivered", "left")]
+    + [(name, pa.int64()) for name in ("before", "moved", "bytes", "redelivered", "duplicates", "left")]
     + [("seconds", pa.float64()), ("errors", pa.list_(pa.string()))]
 )
 

@@ -72,6 +72,7 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
     for q in queues:
         held = held_ids(topology, "ltm", q)
         assert len(held) == len(set(held)) == 2000 and set(held) == acked[q], q
+        assert sorted(held_ids(topology, "pc1", q)) == sorted(held), q  # read and requeued: kept
 
 
 @pytest.mark.connect

@@ -597,7 +597,7 @@ def test_queue_copy_across_vhosts_survives_kill(rabbit_dr: lab.LabState) -> None
     def moved() -> int:
         return sum(asyncio.run(queue_depth(topo, "pc1", v, qn)) for v in ("/", "cv") for qn in QUEUES)
 
-    args = ["copy", "rabbitmq://ltm/*/q*", "rabbitmq://pc1/*/*"]  # only this test's queues
+    args = ["copy", "rabbitmq://ltm/*/q*", "rabbitmq://pc1/*/*", "--drain"]  # only this test's queues
     ferry_killed_when(lambda: moved() >= total // 3, *args, "--rate", "3000", topology=topology)
     first = moved()
     assert total // 3 <= first < total
@@ -695,31 +695,41 @@ def test_a_copy_into_a_stream_of_other_subjects_says_to_map_them_and_stores_noth
 
 
 @pytest.mark.connect
-def test_a_queue_copied_into_a_stream_takes_the_prefix_and_a_subject_not_captured_is_refused(
+def test_a_queue_copied_into_a_stream_keeps_its_messages_unless_drained_and_takes_the_prefix(
     supercluster: lab.LabState, rabbit_dr: lab.LabState, lab_dir: Path
 ) -> None:
-    """Into a stream on ``rmq.>``: without --subject-prefix the routing key ``rq-js`` is no subject
-    of the stream, refused before its first publish (the queue keeps every message); with
-    ``--subject-prefix rmq.`` every message arrives once, on ``rmq.rq-js``."""
+    """Into a stream on ``rmq.>``, read and requeued by default, moved out with --drain: without
+    --subject-prefix the routing key ``rq-js`` is no subject of the stream, refused at once (the
+    queue keeps every message); with ``--subject-prefix rmq.`` every message arrives once, on
+    ``rmq.rq-js``, and the queue still holds them all until a copy with --drain empties it."""
     topology = lab_dir / "topology.yaml"  # both labs' clusters
     sc, dr = profile_topology(supercluster), profile_topology(rabbit_dr)
     n = 3_000
     asyncio.run(make_stream(sc, "east", "FROMRMQ", ["rmq.>"], placement="east"))
     asyncio.run(make_queues(dr, "pc1", "/", ["rq-js"], quorum=set()))
     asyncio.run(fill_queue(dr, "pc1", "/", "rq-js", n, lambda i: aio_pika.Message(b"m", message_id=f"rq-{i}")))
+    copy = ["copy", "rabbitmq://pc1/%2F/rq-js", "jetstream://east/FROMRMQ"]
+    expected = Counter(f"rq-{i}" for i in range(n))
 
-    refused = ferry("copy", "rabbitmq://pc1/%2F/rq-js", "jetstream://east/FROMRMQ", topology=topology, timeout=120)
-    said = refused.stderr.strip().splitlines()[-1]
-    assert refused.returncode == 1, refused.stderr[-2000:]
-    assert "subject 'rq-js' (routing key 'rq-js') is not one of FROMRMQ's subjects (rmq.>)" in said, said
-    assert stream_count(sc, "east", "FROMRMQ") == 0
-    assert asyncio.run(queue_depth(dr, "pc1", "/", "rq-js")) == n
+    def held() -> tuple[Counter[str], set[str], int]:
+        rows = asyncio.run(read_stream(sc, "east", "FROMRMQ")) if stream_count(sc, "east", "FROMRMQ") else []
+        left = asyncio.run(queue_depth(dr, "pc1", "/", "rq-js"))
+        return Counter(r["msg_id"] for r in rows), {r["subject"] for r in rows}, left
 
-    args = ["copy", "rabbitmq://pc1/%2F/rq-js", "jetstream://east/FROMRMQ", "--subject-prefix", "rmq.", "--json"]
-    report = json.loads(ferry(*args, topology=topology, check=True).stdout)
-    rows = asyncio.run(read_stream(sc, "east", "FROMRMQ"))
-    assert Counter(r["msg_id"] for r in rows) == Counter(f"rq-{i}" for i in range(n))
-    assert {r["subject"] for r in rows} == {"rmq.rq-js"} and report["stored"] == n
+    for drain in ([], ["--drain"]):
+        refused = ferry(*copy, *drain, topology=topology, timeout=120)
+        said = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode == 1, refused.stderr[-2000:]
+        assert "'rq-js'" in said and "is not one of FROMRMQ's subjects" in said and "--subject-prefix" in said, said
+        assert held() == (Counter(), set(), n), drain
+
+    kept = json.loads(ferry(*copy, "--subject-prefix", "rmq.", "--json", topology=topology, check=True).stdout)
+    assert held() == (expected, {"rmq.rq-js"}, n)
+    assert kept["stored"] == n and [(x["before"], x["moved"], x["left"]) for x in kept["queues"]] == [(n, n, n)]
+
+    drained = ferry(*copy, "--subject-prefix", "rmq.", "--drain", "--json", topology=topology, check=True)
+    assert held() == (expected, {"rmq.rq-js"}, 0)  # the same ids again: the stream stored none twice
+    assert json.loads(drained.stdout)["duplicates"] == n
 
 
 def test_a_failed_write_has_closed_its_reader_when_it_raises(supercluster: lab.LabState, source_stream: str) -> None:

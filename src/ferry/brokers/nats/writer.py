@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
 from ferry.brokers import nats as bnats
-from ferry.brokers.base import WriteCounts
+from ferry.brokers.base import Batches, WriteCounts, each_batch
 from ferry.brokers.nats import while_electing
 from ferry.brokers.nats.publish import Ack, BatchPublisher, Pacer, Publisher, PublishError
 from ferry.brokers.nats.wire import Wire, wire
@@ -37,6 +37,7 @@ from ferry.headers import (
     SOURCE_SEQ_HDR,
     parse_headers,
 )
+from ferry.subjects import Capture
 from ferry.topology import NatsCluster
 
 _ORIGIN_SITE_LINE = f"\r\n{ORIGIN_SITE_HDR}:".encode()  # in an encoded header block
@@ -58,6 +59,7 @@ class WriteConfig:
     origin_site: str = ""
     rate: float | None = None  # messages per second for this task
     leader: str = ""  # the stream's leader when planned: its server is the one to publish to
+    subjects: tuple[str, ...] | None = None  # the stream's subjects, when known: a subject not among them is refused
 
     def nats(self) -> NatsCluster:
         return NatsCluster.model_validate_json(self.cluster)
@@ -74,20 +76,8 @@ def _rows(batch: pa.RecordBatch) -> Iterator[tuple[Any, ...]]:
     return zip(*cols, strict=True)
 
 
-Batches = Iterable[pa.RecordBatch] | AsyncIterable[pa.RecordBatch]
-
-
-async def _each(batches: Batches) -> AsyncIterator[pa.RecordBatch]:
-    if isinstance(batches, AsyncIterable):
-        async for batch in batches:
-            yield batch
-    else:
-        for batch in batches:
-            yield batch
-
-
 async def _row_lists(batches: Batches) -> AsyncGenerator[list[tuple[Any, ...]]]:
-    async for batch in _each(batches):
+    async for batch in each_batch(batches):
         yield list(_rows(batch))
 
 
@@ -206,7 +196,20 @@ def _messages(cfg: WriteConfig) -> Callable[[tuple[Any, ...]], _Message]:
             block += own_id % msg_id.encode()
         return prefix + subject, payload or b"", block + expect + b"\r\n", msg_id
 
-    return message
+    if cfg.subjects is None:
+        return message
+    captured = Capture(cfg.subjects)
+
+    def checked(row: tuple[Any, ...]) -> _Message:
+        made = message(row)
+        if not captured(made[0]):  # else no stream answers: publishes wait for acks that never come
+            raise FerryError(
+                f"jetstream write to {cfg.stream}: subject {made[0]!r} is not one of {cfg.stream}'s subjects: "
+                f"--subject-prefix maps them (it takes {captured.text})"
+            )
+        return made
+
+    return checked
 
 
 def _parsed(cfg: WriteConfig, row: tuple[Any, ...]) -> _Message:

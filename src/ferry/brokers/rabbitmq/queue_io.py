@@ -43,7 +43,7 @@ from pamqp import commands
 from pamqp.header import ContentHeader
 
 from ferry import subjects
-from ferry.brokers.base import WriteCounts
+from ferry.brokers.base import Batches, WriteCounts, each_batch
 from ferry.brokers.nats.publish import Pacer, Publisher
 from ferry.brokers.nats.wire import Wire
 from ferry.brokers.rabbitmq import amqp_connect, q
@@ -175,6 +175,7 @@ class _Sink:
 
     def __init__(self) -> None:
         self.confirmed: set[int] = set()
+        self.duplicates = 0  # confirmed as already held (a stream's duplicate window), not stored again
         self.error: str | None = None
         self.notify: Callable[[], None] = lambda: None
 
@@ -269,7 +270,8 @@ class _JetStreamSink(_Sink):
     def __init__(self, spec: dict[str, Any], transfer_id: str) -> None:
         super().__init__()
         self.spec, self.transfer_id = spec, transfer_id
-        self.captured: set[str] = set()  # subjects checked against the stream's, a bounded cache
+        patterns = spec.get("subjects")
+        self.captured = subjects.Capture(patterns) if patterns is not None else None
 
     async def open(self) -> None:
         cluster = NatsCluster.model_validate_json(self.spec["cluster"])
@@ -282,6 +284,7 @@ class _JetStreamSink(_Sink):
             self.error = self.error or f"publish to {ack.subject}: {ack.error}"
         else:
             self.confirmed.add(ack.ctx)
+            self.duplicates += ack.duplicate
         self.notify()
 
     async def put(self, d: Delivery, tag: int, source: str, index: int) -> None:
@@ -290,21 +293,12 @@ class _JetStreamSink(_Sink):
         if self.spec.get("stream"):
             headers["Nats-Expected-Stream"] = self.spec["stream"]
         subject = self.spec.get("subject_prefix", "") + (self.spec.get("subject") or d.routing_key or "")
-        if subject not in self.captured:
-            self._check(subject, d.routing_key, source)
-        await self.pub.publish(subject, d.body, headers=headers, msg_id=d.message_id, ctx=tag)
-
-    def _check(self, subject: str, routing_key: str, source: str) -> None:
-        stream, patterns = self.spec.get("stream") or "the stream", self.spec.get("subjects")
-        if patterns is not None and not any(subjects.matches(p, subject) for p in patterns):
-            taken = ", ".join(patterns) or "none"
+        if self.captured and not self.captured(subject):
             raise FerryError(
-                f"moving {source}: subject {subject!r} (routing key {routing_key!r}) is not one of "
-                f"{stream}'s subjects ({taken}): --subject-prefix maps them"
+                f"moving {source}: subject {subject!r} (routing key {d.routing_key!r}) is not one of "
+                f"{self.spec.get('stream')}'s subjects: --subject-prefix maps them (it takes {self.captured.text})"
             )
-        if len(self.captured) >= 10_000:
-            self.captured.clear()
-        self.captured.add(subject)
+        await self.pub.publish(subject, d.body, headers=headers, msg_id=d.message_id, ctx=tag)
 
     async def flush(self) -> None:
         await self.pub.flush()
@@ -385,6 +379,7 @@ class MoveResult:
     moved: int = 0
     bytes: int = 0
     redelivered: int = 0
+    duplicates: int = 0  # moved, but already held by the destination stream: not stored twice
     left: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -482,6 +477,7 @@ async def move_queue(task: MoveTask) -> MoveResult:
             if sink.error:
                 raise FerryError(f"moving {source}: {sink.error}")
         result.left = await ch.declare_passive(task.queue)
+        result.duplicates = sink.duplicates
     finally:
         await _close_quietly(sink)
         await conn.close()
@@ -556,7 +552,7 @@ class WriteConfig:
     rate: float | None = None
 
 
-async def write_rows(cfg: WriteConfig, batches: Any) -> WriteCounts:
+async def write_rows(cfg: WriteConfig, batches: Batches) -> WriteCounts:
     """Publish rows mandatory with confirms; fail on any nack or unroutable message."""
     counts = WriteCounts()
     sink = _RabbitSink(
@@ -566,7 +562,7 @@ async def write_rows(cfg: WriteConfig, batches: Any) -> WriteCounts:
     await sink.open()
     pacer = Pacer(cfg.rate)
     try:
-        for batch in batches:
+        async for batch in each_batch(batches):
             for row in batch.to_pylist():
                 await pacer.wait()
                 body = row.get("payload") or b""

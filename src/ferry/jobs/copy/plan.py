@@ -17,7 +17,7 @@ import pyarrow as pa
 from ferry import brokers
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.reader import stream_states
-from ferry.brokers.rabbitmq import Management, amqp_connect, q
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, effective_policy, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
@@ -34,6 +34,8 @@ class CopyOptions:
     dry_run: bool = False  # plan only: say what would be created
     subject_prefix: str = ""
     window: int = 512
+    drain: bool = False  # queues: move their messages out (consume), instead of read and requeue
+    federated: bool = False  # queues: read a federated queue all the same (its link may pull upstream's)
 
 
 @dataclass
@@ -41,7 +43,9 @@ class CopyPlan:
     source: Endpoint
     destination: Endpoint
     options: CopyOptions
-    engine: str  # "stream" (rows through Spark) or "mover" (RabbitMQ queue tasks)
+    # "stream" (rows through Spark), "snapshot" (a task per queue reads it and requeues every
+    # message) or "mover" (--drain: a task per queue consumes it, each message acked once stored)
+    engine: str
     messages: int = 0
     bytes: int = 0  # payload bytes, as in the report (estimated for a stream source)
     queues: list[dict[str, Any]] = field(default_factory=list)  # vhost, queue, ready, target
@@ -97,9 +101,12 @@ def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> C
         raise UsageError(f"--mode must be ordered or parallel, got {options.mode!r}")
     if options.partitions and options.partitions > 1:
         options.mode = "parallel"
-    # a source that reading consumes is moved by one task per queue; a replayable one is read as rows
+    # a source that reading consumes is read by one task per queue (and requeued, unless drained);
+    # a replayable one is read as rows
     destructive = source.kind != "parquet" and "destructive-read" in brokers.kind(source.kind).capabilities
-    engine = "mover" if destructive else "stream"
+    if options.drain and not destructive:
+        raise UsageError(f"--drain empties the queues it reads; {src!r} is not a rabbitmq:// queue source")
+    engine = ("mover" if options.drain else "snapshot") if destructive else "stream"
     plan = CopyPlan(source, destination, options, engine, transfer_id=uuid.uuid4().hex[:12])
     if source.kind == "rabbitmq" and (source.queue is None):
         raise ConfigError(f"{src!r}: name a queue, or * for every queue of the vhost")
@@ -141,10 +148,17 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
         except (pa.ArrowInvalid, OSError) as exc:
             raise ConfigError(f"{src}: not a Parquet backup ({str(exc).splitlines()[0]})") from None
     elif src.kind == "rabbitmq":
-        plan.queues = await _source_queues(topology, src)
+        plan.queues = await _source_queues(topology, src, plan.options)
         await live_counts(topology.rabbitmq(src.cluster or ""), plan.queues)
         plan.messages = sum(x["ready"] for x in plan.queues)
         plan.bytes = sum(x["bytes"] for x in plan.queues)
+        plan.notes.append(
+            "drains the source queues: they will be empty afterwards"
+            if plan.options.drain
+            else "reads the source queues without consuming them: each message is held unacked while it is "
+            "copied, then requeued, so the queues keep every message (now with the redelivered flag); "
+            "a rerun copies every message again (--drain moves them out instead)"
+        )
     if dst.kind == "jetstream":
         await _plan_stream_destination(topology, plan)
     elif dst.kind == "rabbitmq":
@@ -152,6 +166,10 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
         await _check_access(topology, dst.cluster or "", {x["target_vhost"] for x in plan.queues} or {dst.vhost or "/"})
     if st and (src.start_seq or src.end_seq or plan.resume_from):
         _narrow(plan, st)
+    several = sum(x["ready"] > 0 for x in plan.queues) > 1
+    if plan.engine == "snapshot" and dst.kind == "jetstream" and several and plan.options.mode == "ordered":
+        plan.options.mode = "parallel"  # a writer per queue: each expecting its own last would refuse the others'
+        plan.notes.append("several queues into one stream: each in its order, apart from publishes sent again")
 
 
 def _narrow(plan: CopyPlan, st: dict[str, int]) -> None:
@@ -218,10 +236,11 @@ async def live_counts(cluster: RabbitCluster, queues: list[dict[str, Any]]) -> N
         await counts.close()
 
 
-async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, Any]]:
+async def _source_queues(topology: Topology, src: Endpoint, options: CopyOptions) -> list[dict[str, Any]]:
     cluster = topology.rabbitmq(src.cluster or "")
     async with Management(cluster, name=src.cluster or "") as m:
         vhosts = [v["name"] for v in await m.get("/vhosts")] if src.vhost == "*" else [src.vhost or "/"]
+        policies = [] if options.drain else await m.get("/policies")
         out = []
         for vhost in vhosts:
             if "*" in (src.queue or ""):
@@ -237,6 +256,8 @@ async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, An
             for item in listed:
                 if item.get("exclusive_consumer_tag") or item.get("exclusive"):
                     continue
+                if not options.drain:
+                    _check_requeue(item, vhost, policies, options.federated)
                 out.append(
                     {
                         "vhost": vhost,
@@ -249,6 +270,27 @@ async def _source_queues(topology: Topology, src: Endpoint) -> list[dict[str, An
                     }
                 )
     return out
+
+
+def _check_requeue(item: dict[str, Any], vhost: str, policies: list[dict[str, Any]], federated: bool) -> None:
+    """Refuse a queue that reading and requeueing would change: one with a delivery limit (a
+    requeue counts as a delivery), or a federated one (its link pulls upstream's messages into a
+    queue with consumers), unless `federated`."""
+    where = queue_path(vhost, item["name"])
+    limit = (item.get("arguments") or {}).get("x-delivery-limit") or (
+        item.get("effective_policy_definition") or {}
+    ).get("delivery-limit")
+    if limit:
+        raise ConfigError(
+            f"queue {where} has a delivery limit ({limit}): reading it counts as a delivery and could "
+            "dead-letter its messages; refusing (--drain moves them out instead)"
+        )
+    policy = effective_policy(policies, vhost, item["name"])
+    if not federated and policy and any(k in policy["definition"] for k in FEDERATION_KEYS):
+        raise ConfigError(
+            f"queue {where} is federated (policy {policy['name']!r}): reading it would pull messages "
+            "from its upstream into it; --federated to read it all the same"
+        )
 
 
 async def _plan_stream_destination(topology: Topology, plan: CopyPlan) -> None:

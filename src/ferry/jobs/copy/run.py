@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,16 @@ from ferry.brokers.base import WriteCounts
 from ferry.brokers.nats import writer as jetstream_writer
 from ferry.brokers.nats.reader import Range, ReadConfig, plan_ranges, read_rows
 from ferry.brokers.rabbitmq import Management, q, queue_io
-from ferry.brokers.rabbitmq.queue_io import MoveTask
+from ferry.brokers.rabbitmq.queue_io import MoveResult, MoveTask
+from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
 from ferry.jobs.copy.plan import CopyPlan
+from ferry.schema import SPARK_DDL
 from ferry.spark.jetstream import stream_frame
-from ferry.spark.options import COUNTS_DDL
+from ferry.spark.options import COUNTS_DDL, iterate, per_index
 from ferry.spark.session import spark_error
 from ferry.spark.tasks import cores, is_connect, per_task, run_moves, write_parquet
-from ferry.topology import Topology
+from ferry.topology import RabbitCluster, Topology
 from ferry.uris import Endpoint
 
 
@@ -68,10 +71,7 @@ def run_copy(
     if watcher:
         watcher.start()
     try:
-        if plan.engine == "mover":
-            _run_mover(topology, plan, spark, report)
-        else:
-            _run_stream(topology, plan, spark, report)
+        {"mover": _run_mover, "snapshot": _run_snapshot}.get(plan.engine, _run_stream)(topology, plan, spark, report)
     except Exception as exc:
         raise spark_error(exc) from None
     finally:
@@ -100,6 +100,7 @@ def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int
                 subject_prefix=plan.options.subject_prefix,
                 rate=rate,
                 leader=plan.leader,
+                subjects=tuple(plan.subjects) if plan.subjects is not None else None,
             ),
         }
 
@@ -136,8 +137,6 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
     if src.kind == "jetstream":
         df = stream_frame(spark, _source_cfg(topology, plan))
     else:
-        from ferry.schema import SPARK_DDL
-
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
         if dst.kind == "jetstream" and opts.mode == "ordered":  # Spark reads a backup's files largest first
             df = df.orderBy("source", "source_seq")
@@ -269,9 +268,58 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
     for result in run_moves(spark, tasks):
         report.queues.append(asdict(result))
         report.read += result.moved
-        report.stored += result.moved
+        report.stored += result.moved - result.duplicates
+        report.duplicates += result.duplicates
         report.bytes += result.bytes
         report.possible_duplicates += result.redelivered
+
+
+def _run_snapshot(topology: Topology, plan: CopyPlan, spark: Any, report: CopyReport) -> None:
+    """Each queue read by a task of its own without consuming it (held unacked, then requeued);
+    into Parquet through Spark's writer, into a stream or a queue by the reading task itself."""
+    src, dst = plan.source, plan.destination
+    cluster_json, name = topology.rabbitmq(src.cluster or "").model_dump_json(), src.cluster or ""
+    work = [x for x in plan.queues if x["ready"] > 0]
+    if not work:
+        return
+
+    def read(x: dict[str, Any]) -> Any:
+        return queue_io.snapshot_queue(RabbitCluster.model_validate_json(cluster_json), name, x["vhost"], x["queue"])
+
+    if dst.kind == "parquet":
+        frame = per_index(spark, len(work), lambda i: iterate(read(work[i])), SPARK_DDL)
+        report.read, report.bytes = write_parquet(frame, Path(dst.path or ""))
+        report.stored = report.read
+        return
+    specs = [_write_options(topology, dst, plan, len(work)) for _ in work]
+    for spec, x in zip(specs, work, strict=True):
+        if spec["kind"] == "rabbitmq":
+            spec["cfg"] = replace(spec["cfg"], vhost=x["target_vhost"], queue=None if dst.exchange else x["target"])
+
+    def copy(i: int) -> dict[str, Any]:
+        async def go() -> dict[str, Any]:
+            x, spec = work[i], specs[i]
+            t0 = time.monotonic()
+            async with contextlib.aclosing(read(x)) as batches:
+                if spec["kind"] == "jetstream":
+                    counts = await jetstream_writer.write_batches(spec["cfg"], batches)
+                else:
+                    counts = await queue_io.write_rows(spec["cfg"], batches)
+            live = QueueCounts(RabbitCluster.model_validate_json(cluster_json))
+            try:
+                left = await live.ready(x["vhost"], x["queue"])  # all of it again: requeued
+            finally:
+                await live.close()
+            moved = MoveResult(x["vhost"], x["queue"], x["ready"], counts.rows, counts.bytes, left=left)
+            moved.seconds = time.monotonic() - t0
+            return {**counts.as_dict(), "queue": json.dumps(asdict(moved))}
+
+        return asyncio.run(go())
+
+    schema = WriteCounts.arrow_schema().append(pa.field("queue", pa.string()))
+    rows = per_task(spark, len(work), copy, schema)
+    _add_counts(report, rows)
+    report.queues += [json.loads(r["queue"]) for r in rows]
 
 
 # -- progress: what the brokers say, polled on the driver ---------------------------------------------
