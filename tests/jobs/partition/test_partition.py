@@ -345,19 +345,35 @@ def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_swi
 
 
 def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab.LabState, tmp_path: Path) -> None:
-    """A partition placed in a cluster the super-cluster does not have: the server will not make
-    its stream, and the claim ferry recorded first is withdrawn, so no route names a stream that
-    does not exist and another map may claim the subjects."""
+    """A partition placed in a cluster the super-cluster does not have is refused before anything
+    changes, naming the clusters it has. One whose stream the server will not make (five replicas
+    in a cluster of three): the claim ferry recorded first is withdrawn, so no route names a stream
+    that does not exist and another map may claim the subjects."""
     topology = supercluster.path / "topology.yaml"
+    kept = {"name": "k", "stream": "PT_KEPT", "cluster": "east", "patterns": ["ptk.>"]}
     north = write_map(
         tmp_path / "north.yaml",
         "pn",
-        [
-            {"name": "k", "stream": "PT_KEPT", "cluster": "east", "patterns": ["ptk.>"]},
-            {"name": "n", "stream": "PT_NORTH", "cluster": "north", "patterns": ["ptn.>"]},
-        ],
+        [kept, {"name": "n", "stream": "PT_NORTH", "cluster": "north", "patterns": ["ptn.>"]}],
     )
     r = ferry("partition", "apply", str(north), topology=topology)
+    said = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(said) == 1, r.stderr[-3000:]
+    assert said[0] == (
+        "error: partition 'n' is placed in cluster 'north', which the super-cluster does not have (known: east, west)"
+    ), said
+    five = write_map(
+        tmp_path / "five.yaml",
+        "pn",
+        [kept, {"name": "n", "stream": "PT_NORTH", "cluster": "west", "replicas": 5, "patterns": ["ptn.>"]}],
+    )
+
+    async def streams() -> set[str]:
+        async with bnats.session(supercluster_topology(supercluster).nats("east")) as nc:
+            return {info.config.name for info in await nc.jsm().streams_info()}
+
+    assert asyncio.run(streams()) & {"PT_KEPT", "PT_NORTH"} == set()  # the refusal made nothing
+    r = ferry("partition", "apply", str(five), topology=topology)
     assert r.returncode == 1, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]
     assert said.startswith("error: map 'pn' not applied, its claim withdrawn") and "PT_NORTH" in said, said

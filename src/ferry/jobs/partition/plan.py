@@ -52,13 +52,23 @@ def patterns_of(config: dict[str, Any]) -> list[str]:
     return [s for s in config.get("subjects") or [] if not s.startswith("ferry.stage.")]
 
 
-async def plan(nc: Client, pmap: PartitionMap, record: dict[str, Any]) -> dict[str, Any]:
+async def plan(
+    nc: Client, pmap: PartitionMap, record: dict[str, Any], clusters: set[str] | None = None
+) -> dict[str, Any]:
     """What applying `pmap` would change, and what refuses it (nothing changed)."""
     mine = record["maps"].get(pmap.name) or {}
     prev = PartitionMap.model_validate(mine["map"]) if mine.get("map") else None
     streams = await list_streams(nc)
     ours = {p.stream for p in pmap.partitions} | {p.stream for p in (prev.partitions if prev else [])}
     refusals = foreign_conflicts(record, pmap)
+    if clusters is not None:  # the super-cluster's, when its system account answers
+        known = ", ".join(sorted(clusters))
+        refusals += [
+            f"partition {part.name!r} is placed in cluster {part.cluster!r}, which the super-cluster does not "
+            f"have (known: {known})"
+            for part in pmap.partitions
+            if part.cluster and part.cluster not in clusters
+        ]
     index = pmap.index()
     # streams outside the map (and outside every claim) may not capture our subjects
     claimed_elsewhere = {

@@ -33,7 +33,7 @@ from ferry.jobs.shared.events import Emit, no_emit
 from ferry.jobs.shared.guard import Guard, check_listen, reconcile, state_root
 from ferry.spark.session import SparkFactory, factory
 from ferry.subjects import intersection
-from ferry.topology import Topology
+from ferry.topology import NatsCluster, Topology
 
 # -- applying ----------------------------------------------------------------------------------------
 
@@ -115,6 +115,15 @@ async def _verify(nc: Client, pmap: PartitionMap) -> list[str]:
     return out
 
 
+async def _clusters(cluster: NatsCluster, via: str) -> set[str] | None:
+    """The super-cluster's cluster names, from its system account (None: it does not answer)."""
+    try:
+        async with bnats.session(cluster, name=via, system=True, client_name="ferry-partition-sys") as sysnc:
+            return (await jsapi.survey(sysnc)).clusters()
+    except (FerryError, OSError, TimeoutError):
+        return None
+
+
 async def apply(
     topo: Topology,
     via: str,
@@ -135,7 +144,8 @@ async def apply(
         kv = await open_claims(nc, create=False)
         record, _ = await read_record(kv) if kv else ({"maps": {}}, 0)
         seen = record["maps"].get(pmap.name)
-        p = await plan(nc, pmap, record)
+        placed = any(part.cluster for part in pmap.partitions)
+        p = await plan(nc, pmap, record, await _clusters(cluster, via) if placed else None)
         if dry_run:
             return {**p, "outcome": "dry-run"}
         if p["refusals"]:
@@ -166,7 +176,7 @@ async def apply(
             changed: list[str] = []
             try:
                 await _converge(nc, pmap, p, changed=changed)
-            except FerryError as exc:  # a stream the server would not make (an unknown cluster): no claim stays
+            except FerryError as exc:  # a stream the server would not make (too many replicas): no claim stays
                 await unclaim(kv, pmap, claimed, seen)
                 made = (
                     f"; done before that, and kept: {', '.join(changed)} (a corrected map applied again takes "
