@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from ferry.cli import app
@@ -307,3 +309,21 @@ def test_an_interrupted_failback_says_what_it_left(engine: str, begun: list, say
     assert said.startswith("the failback from ltm to pc1 is on record, unfinished: ") and says in said, said
     assert said.endswith("or add --abort to drop it and restore its upstreams")
     assert ("stay off" in said) == ("upstreams stay off" in says), said
+
+
+def test_replicate_status_says_why_a_site_did_not_answer_in_its_state(tmp_path) -> None:
+    from ferry.lab.procs import free_ports
+
+    nyc, sfo = free_ports(2)  # nobody listens there
+    topology = tmp_path / "topology.yaml"
+
+    def site(name: str, port: int) -> dict:
+        cluster = {"kind": "nats", "credentials": {"user": "app", "password_env": "T_PW"}}
+        return {"clusters": {name: {**cluster, "brokers": [{"name": f"{name}-1", "url": f"nats://127.0.0.1:{port}"}]}}}
+
+    topology.write_text(yaml.safe_dump({"version": 1, "sites": {"nyc": site("nyc", nyc), "sfo": site("sfo", sfo)}}))
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology), "T_PW": "x", "COLUMNS": "400"}
+    r = subprocess.run([*FERRY, "replicate", "status"], env=env, capture_output=True, text=True, timeout=60)
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if "unreachable" in line]
+    assert [(row[1].split(":")[0], row[-1]) for row in rows] == [("unreachable", "")] * 2, r.stdout
+    assert f"no server answered at nats://127.0.0.1:{sfo}" in rows[1][1], rows

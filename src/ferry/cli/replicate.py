@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -116,11 +116,17 @@ def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> 
     if not rows:
         out.print("no replication is defined")
         return
+    out.print(status_table(rows))
+
+
+def status_table(rows: list[dict[str, Any]]) -> Table:
+    """`replicate status` as a table: one row per replication and stream; a site that did not
+    answer says why in its state."""
     table = Table("replication", "state", "leader", "stream", "relayed", "lag", "lag s", "rate/s")
     for r in rows:
         name = f"{r.get('source', '?')} -> {r.get('dest')}"
         if r.get("unreachable"):
-            table.add_row(name, "[red]unreachable[/]", "", "", "", "", "", r["unreachable"])
+            table.add_row(name, f"[red]unreachable[/]: {escape(r['unreachable'])}", *[""] * 6)
             continue
         leader = f"{r['leader']['host']}:{r['leader']['pid']}" if r.get("leader") else "-"
         state = r.get("summary") or f"{r.get('state')} ({r.get('desired')})"
@@ -130,7 +136,7 @@ def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> 
             table.add_row(name, state, leader, stream, *("-" if c is None else f"{c:,}" for c in cells))
             if p.get("lag_at") == "last relay":
                 table.caption = "lag as the last relay saw it where the source did not answer now"
-    out.print(table)
+    return table
 
 
 @site_app.command("status")

@@ -120,17 +120,16 @@ async def status(topo: Topology) -> list[dict[str, Any]]:
     Per stream ``rate`` is the live relay's only; without one it is None and the last relay's is
     ``last_rate``, measured ``progress_age_s`` seconds ago (a row field), while the backlog
     (``lag``, ``lag_s``, ``source_last``) is read from the source now (``lag_at``)."""
-    out = []
-    for site, name, cluster in topo.clusters():
-        if not isinstance(cluster, NatsCluster) or name != site:
-            continue
+
+    async def at(site: str) -> list[dict[str, Any]]:
         try:
             async with site_journal(topo, site, "") as j:
-                for key in sorted(await j.keys(["relay.*.*"])):
-                    state = await j.get(key) or {}
-                    out.append(status_row(state, time.time()))
+                return [status_row(await j.get(key) or {}, time.time()) for key in sorted(await j.keys(["relay.*.*"]))]
         except Exception as exc:  # one unreachable site must not hide the others
-            out.append({"dest": site, "unreachable": first_line(exc)})
+            return [{"dest": site, "unreachable": first_line(exc)}]
+
+    sites = [site for site, name, cluster in topo.clusters() if isinstance(cluster, NatsCluster) and name == site]
+    out = [row for rows in await asyncio.gather(*map(at, sites)) for row in rows]  # every site at once
     for row in out:
         if row.get("progress") and not any(p.get("rate") is not None for p in row["progress"].values()):
             await _lag_now(topo, row)
