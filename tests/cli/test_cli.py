@@ -327,3 +327,12 @@ def test_replicate_status_says_why_a_site_did_not_answer_in_its_state(tmp_path) 
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if "unreachable" in line]
     assert [(row[1].split(":")[0], row[-1]) for row in rows] == [("unreachable", "")] * 2, r.stdout
     assert f"no server answered at nats://127.0.0.1:{sfo}" in rows[1][1], rows
+
+
+def test_a_moves_done_line_tells_its_time_from_the_time_to_move_its_group(capsys: pytest.CaptureFixture[str]) -> None:
+    from ferry.cli.move import _print_event
+
+    done = {"outcome": "moved", "cluster": "west", "peers": ["w1", "w2"], "took_s": 9.921, "moved_in_s": 7.007}
+    _print_event("done", stream="S", **done)
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "moved: S now in west on w1, w2 in 9.92s (7.01s to move its group, the rest to reconcile and verify)" in said

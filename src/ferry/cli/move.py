@@ -139,6 +139,8 @@ def _print_event(event: str, **data: Any) -> None:
             f"{data['outcome']}: {data['stream']} now in {data.get('cluster')} on {', '.join(data.get('peers', []))} "
             f"in {data.get('took_s', 0):.2f}s"
         )
+        if data.get("moved_in_s") is not None:  # took_s also counts the guard's reconciliation and the check
+            line += f" ({data['moved_in_s']:.2f}s to move its group, the rest to reconcile and verify)"
         if "leaderless_s" in data:  # a resumed move's journal may predate unanswered_s
             line += (
                 f"; leaderless {data['leaderless_s']:.2f}s, stream info unanswered {data.get('unanswered_s', 0):.2f}s"
