@@ -641,12 +641,16 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
                 await asyncio.to_thread(wait_for, midway, 120, "messages in the holding queue")
                 await asyncio.to_thread(ferry, "node", "stop", first.name, topology=topology, check=True)
                 out, err = await asyncio.to_thread(proc.communicate, timeout=120)
+                sent_by_then = len(sent)  # the relocation ended before ferry did
             finally:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
             assert proc.returncode == 0 and json.loads(out)["outcome"] == "stopped", err[-3000:]
             assert "finishing the move in hand first" in err, err[-3000:]
+            events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+            (relocated,) = [e["messages"] for e in events if e["event"] == "relocated" and e["queue"].endswith(name)]
+            assert 3000 <= relocated <= sent_by_then, (relocated, sent_by_then)  # each message counted once
         else:
             await asyncio.to_thread(ferry_killed_when, midway, *args_cli, topology=topology, timeout=180)
             r = await asyncio.to_thread(ferry, *args_cli, topology=topology)  # resumes it, unless `ferry serve`

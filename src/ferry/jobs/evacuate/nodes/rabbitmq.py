@@ -176,7 +176,6 @@ class RabbitNodes(Nodes):
         assert self.m
         m, vhost, name = self.m, a.account, a.stream
         held = RELOCATE_PREFIX + name
-        moved = 0
 
         def path(queue: str) -> str:
             return f"/queues/{q(vhost)}/{q(queue)}"
@@ -187,14 +186,13 @@ class RabbitNodes(Nodes):
             if hold is None:
                 hold = await self._declare(vhost, held, here, target)
             await self._rebind(vhost, name, held)
-            moved += await self._drain_into(vhost, name, held, target, rate)
+            await self._drain_into(vhost, name, held, target, rate)  # counted on their way back
         elif hold is None:
             return 0  # relocated already
         if await m.get(path(name), ok404=True) is None:
             await self._declare(vhost, name, hold, target)
         await self._rebind(vhost, held, name)
-        moved += await self._drain_into(vhost, held, name, target, rate)
-        return moved
+        return await self._drain_into(vhost, held, name, target, rate)  # every message relocated, once
 
     async def _declare(self, vhost: str, queue: str, like: dict[str, Any], target: str) -> dict[str, Any]:
         """Declare `queue` like `like` on `target` (through an AMQP connection to that node: RabbitMQ
