@@ -463,6 +463,8 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     finish(load)
     assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
     assert any(e["event"] == "resume" for e in events)
+    (plan,) = [e for e in events if e["event"] == "plan"]
+    assert plan["from"] == "east" and plan["to"] == "west" and not plan.get("nothing_to_do"), plan  # the move's
     assert 0 < result["unguarded_s"] < 60 and any(e["event"] == "unguarded" for e in events), result  # the kill's gap
     assert where(topology, "MOVE_K")[0] == "west"
     t = judge(

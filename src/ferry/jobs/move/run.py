@@ -133,6 +133,8 @@ async def move(
                 f"phase {prior.get('phase')})"  # type: ignore[union-attr]
             )
         plan = await preflight(nc, sysnc, req, resuming=resuming)
+        if resuming and prior and prior.get("from"):  # the move's origin, not where its group is by now
+            plan.origin, plan.nothing_to_do = prior["from"], False
         emit("plan", **plan.doc())
         if req.dry_run or (plan.nothing_to_do and not resuming):
             return MoveResult(stream=req.stream, outcome="dry-run" if req.dry_run else "already there", plan=plan)
