@@ -13,7 +13,7 @@ from pyspark.sql.datasource import WriterCommitMessage
 
 from ferry.brokers.base import WriteCounts
 from ferry.errors import ConfigError
-from ferry.topology import NatsCluster, RabbitCluster, load_topology
+from ferry.topology import NatsCluster, load_topology
 
 T = TypeVar("T")
 
@@ -36,14 +36,6 @@ def cluster_json(options: dict[str, str], kind: type[T]) -> str:
     if isinstance(cluster, NatsCluster):
         cluster = cluster.in_account(options.get("account") or None, value)
     return cluster.model_dump_json()
-
-
-def nats_cluster(text: str) -> NatsCluster:
-    return NatsCluster.model_validate_json(text)
-
-
-def rabbit_cluster(text: str) -> RabbitCluster:
-    return RabbitCluster.model_validate_json(text)
 
 
 def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
