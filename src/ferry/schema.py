@@ -19,7 +19,11 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["ARROW_SCHEMA", "PROPERTY_FIELDS", "SPARK_DDL", "BatchBuilder"]
+__all__ = ["ARROW_SCHEMA", "BACKUP_RECORD", "PROPERTY_FIELDS", "SPARK_DDL", "BatchBuilder"]
+
+# beside a Parquet backup's files (a name Spark and Arrow skip as they read them): its source
+# and, for a stream's, the stream's configuration (`ferry copy parquet://… jetstream://… --create`)
+BACKUP_RECORD = "_ferry_backup.json"
 
 PROPERTY_FIELDS = [
     ("content_type", pa.string()),

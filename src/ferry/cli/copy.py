@@ -17,13 +17,15 @@ def copy_cmd(
     ],
     destination: Annotated[str, typer.Argument(help="Same forms; a RabbitMQ queue may be * (same names).")],
     mode: Annotated[
-        str, typer.Option(help="JetStream->JetStream: ordered (exact order, resumable) or parallel.")
+        str, typer.Option(help="ordered (one writer, the source's order; streams: resumable) or parallel.")
     ] = "ordered",
     partitions: Annotated[
         int | None, typer.Option(min=1, help="Read/write in N parallel ranges (implies parallel).")
     ] = None,
     rate: Annotated[float | None, typer.Option(min=1, help="Messages per second, all tasks together.")] = None,
-    create: Annotated[bool, typer.Option(help="Create a missing destination stream/queue like the source.")] = False,
+    create: Annotated[
+        bool, typer.Option(help="Create a missing destination stream/queue like the source (or its backup).")
+    ] = False,
     subject_prefix: Annotated[str, typer.Option(help="Prefix added to every subject written to JetStream.")] = "",
     drain: Annotated[
         bool, typer.Option("--drain", help="Queues: move their messages out (default: read and requeue, keep them).")

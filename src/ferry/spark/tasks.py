@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict
@@ -15,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from ferry.brokers.rabbitmq.queue_io import MoveResult, MoveTask, move_queue
+from ferry.schema import BACKUP_RECORD
 from ferry.spark.options import per_index
 
 _MOVE_SCHEMA = pa.schema(
@@ -24,11 +26,12 @@ _MOVE_SCHEMA = pa.schema(
 )
 
 
-def write_parquet(df: Any, out: Path) -> tuple[int, int]:
+def write_parquet(df: Any, out: Path, record: dict[str, Any] | None = None) -> tuple[int, int]:
     """Write `df` (the common schema) as Parquet into `out`, a new or empty directory, all at once:
     Spark writes beside it and the result is renamed into place, so a failed or interrupted write
-    leaves `out` as it was (a rerun starts clean). Returns the rows and payload bytes written,
-    counted as they were written (no second job reads them back)."""
+    leaves `out` as it was (a rerun starts clean). `record` goes with the files, as JSON in
+    BACKUP_RECORD (a name Spark and Arrow skip when they read the directory). Returns the rows and
+    payload bytes written, counted as they were written (no second job reads them back)."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -39,6 +42,8 @@ def write_parquet(df: Any, out: Path) -> tuple[int, int]:
     try:
         counted = df.observe(written, F.count(F.lit(1)).alias("rows"), F.sum(F.length("payload")).alias("bytes"))
         counted.write.mode("error").parquet(str(partial))
+        if record is not None:
+            (partial / BACKUP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         if out.exists():
             out.rmdir()
         partial.rename(out)

@@ -51,10 +51,14 @@ def _payload(i: int) -> bytes:
     return f"payload-{i}-".encode() * 4 + bytes([i % 256])
 
 
+# besides its name, subjects and placement: what a restore with --create must give the new stream
+CSRC_CONFIG = {"description": "the copy tests' source", "max_msgs_per_subject": 5_000, "max_age": 7 * 86_400.0}
+
+
 @pytest.fixture(scope="module")
 def source_stream(supercluster: lab.LabState) -> str:
     topo = profile_topology(supercluster)
-    asyncio.run(make_stream(topo, "east", "CSRC", ["csrc.>"], placement="east"))
+    asyncio.run(make_stream(topo, "east", "CSRC", ["csrc.>"], placement="east", **CSRC_CONFIG))
     asyncio.run(
         fill_stream(
             topo,
@@ -88,6 +92,17 @@ def _check_copy(supercluster: lab.LabState, dest: str, prefix: str, ordered: boo
     if ordered:
         assert seqs == sorted(seqs), "ordered copy changed the sequence order"
         assert all(v == sorted(v) for v in per_subject.values())
+
+
+async def stream_config(topo: Topology, cluster: str, stream: str) -> dict[str, Any]:
+    """The stream's configuration (durations in seconds) and the cluster it is in; {} for none."""
+    async with bnats.session(topo.nats(cluster)) as nc:
+        try:
+            info = await nc.jsm().stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return {}
+    config = info.config
+    return {**{k: getattr(config, k) for k in config.__dataclass_fields__}, "cluster": info.cluster.name}
 
 
 def _hdict(row: dict) -> dict:
@@ -438,38 +453,60 @@ def _writing_to(topo: Topology) -> set[str]:
     return found
 
 
+@pytest.fixture(scope="module")
+def csrc_backup(supercluster: lab.LabState, source_stream: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CSRC backed up into Parquet by `ferry copy`; the summary and the plan count payload bytes
+    (the plan estimates them from the stream's size)."""
+    folder = tmp_path_factory.mktemp("backup") / "csrc"
+    folder.mkdir()  # an empty directory will do
+    copy = ("copy", "jetstream://east/CSRC", f"parquet://{folder}", "--json")
+    backup = json.loads(ferry(*copy, topology=supercluster.path / "topology.yaml", check=True).stdout)
+    payload = sum(len(_payload(i)) for i in range(N))
+    assert backup["read"] == backup["stored"] == N and backup["bytes"] == payload
+    assert abs(backup["plan"]["bytes"] - payload) < payload * 0.05, backup["plan"]
+    return folder
+
+
 @pytest.mark.connect
 def test_parquet_round_trip_is_byte_identical(
-    supercluster: lab.LabState, source_stream: str, tmp_path: Path, spark
+    supercluster: lab.LabState, csrc_backup: Path, tmp_path: Path, spark
 ) -> None:
+    """Restored with --create into a new stream, which gets the source stream's configuration
+    from the backup's record (only its subjects mapped)."""
     import pyarrow.parquet as pq
+
+    from ferry.schema import BACKUP_RECORD
 
     topo = profile_topology(supercluster)
     topology = supercluster.path / "topology.yaml"
-    (tmp_path / "a").mkdir()  # an empty directory will do
-    out = ferry("copy", "jetstream://east/CSRC", f"parquet://{tmp_path}/a", "--json", topology=topology, check=True)
-    backup = json.loads(out.stdout)
     payload = sum(len(_payload(i)) for i in range(N))
-    # the summary and the plan count payload bytes (the plan estimates them from the stream's size)
-    assert backup["read"] == backup["stored"] == N and backup["bytes"] == payload
-    assert abs(backup["plan"]["bytes"] - payload) < payload * 0.05, backup["plan"]
     # the backup again as two files, the later sequences in the larger one (Spark reads the larger first)
-    rows = spark.read.parquet(str(tmp_path / "a"))
+    rows = spark.read.parquet(str(csrc_backup))
     for part in (rows.source_seq <= N // 4, rows.source_seq > N // 4):
         rows.filter(part).coalesce(1).write.mode("append").parquet(str(tmp_path / "a2"))
     assert len(list((tmp_path / "a2").glob("*.parquet"))) == 2
-    asyncio.run(make_stream(topo, "west", "CRESTORED", ["restored.>"], placement="west"))
     args = ("copy", f"parquet://{tmp_path}/a2", "jetstream://west/CRESTORED", "--subject-prefix", "restored.")
+    args += ("--create",)
+    refused = ferry(*args, topology=topology)  # files without the backup's record: no configuration to create from
+    assert refused.returncode != 0 and "records no stream configuration" in refused.stderr.strip().splitlines()[-1]
+    assert not asyncio.run(stream_config(topo, "west", "CRESTORED"))
+    (tmp_path / "a2" / BACKUP_RECORD).write_bytes((csrc_backup / BACKUP_RECORD).read_bytes())
     plan = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
     assert (plan["messages"], plan["bytes"]) == (N, payload)  # a Parquet source's rows and payload bytes
+    assert "would create stream CRESTORED in west" in plan["notes"], plan["notes"]
     restore = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert (restore["stored"], restore["bytes"]) == (N, payload)
+    source, restored = (asyncio.run(stream_config(topo, c, n)) for c, n in (("east", "CSRC"), ("west", "CRESTORED")))
+    assert restored["cluster"] == "west" and restored["subjects"] == ["restored.csrc.>"], restored
+    assert {k: restored[k] for k in CSRC_CONFIG} == CSRC_CONFIG
+    kept = ("retention", "storage", "num_replicas", "discard", "duplicate_window", "max_msgs", "max_bytes")
+    assert {k: restored[k] for k in kept} == {k: source[k] for k in kept}
     plan = json.loads(ferry(*args, "--dry-run", "--json", topology=topology, check=True).stdout)["plan"]
     assert plan["resume_from"] == N + 1  # a rerun resumes after the last restored message
     again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert again["stored"] == again["duplicates"] == 0 and stream_count(topo, "west", "CRESTORED") == N
     ferry("copy", "jetstream://west/CRESTORED", f"parquet://{tmp_path}/b", topology=topology, check=True)
-    a = pq.read_table(tmp_path / "a").sort_by("source_seq").to_pylist()
+    a = pq.read_table(csrc_backup).sort_by("source_seq").to_pylist()
     b = pq.read_table(tmp_path / "b").sort_by("source_seq").to_pylist()
     assert len(a) == len(b) == N
     # restored in the source's order, whatever the order in which Spark reads the backup's files
@@ -482,6 +519,27 @@ def test_parquet_round_trip_is_byte_identical(
         return r["subject"].removeprefix("restored."), r["payload"], headers
 
     assert [core(r) for r in a] == [core(r) for r in b]
+
+
+def test_a_backup_restored_into_a_queue_and_back_into_a_stream_keeps_its_order(
+    supercluster: lab.LabState, rabbit_dr: lab.LabState, lab_dir: Path, csrc_backup: Path
+) -> None:
+    """Parquet -> RabbitMQ -> JetStream, mode ordered (the default): the messages come back in the
+    stream's order. (Spark reads a backup's files largest first, and wrote a queue from several
+    tasks at once: a round trip came back with half its messages out of order.)"""
+    import pyarrow.parquet as pq
+
+    topology = lab_dir / "topology.yaml"  # both labs' clusters
+    sc, dr = profile_topology(supercluster), profile_topology(rabbit_dr)
+    expected = [dict(h)["k"] for h in pq.read_table(csrc_backup).sort_by("source_seq").column("headers").to_pylist()]
+    into_queue = ("copy", f"parquet://{csrc_backup}", "rabbitmq://pc1/%2F/restored-order", "--create", "--json")
+    assert json.loads(ferry(*into_queue, topology=topology, check=True).stdout)["stored"] == N
+    queued = asyncio.run(queue_messages(dr, "pc1", "/", "restored-order"))
+    assert [dict(r["headers"])["k"] for r in queued] == expected
+    asyncio.run(make_stream(sc, "east", "BACKFROMQ", ["back.>"], placement="east"))
+    back = ("copy", "rabbitmq://pc1/%2F/restored-order", "jetstream://east/BACKFROMQ", "--subject-prefix", "back.")
+    assert json.loads(ferry(*back, "--json", topology=topology, check=True).stdout)["stored"] == N
+    assert [dict(r["headers"])["k"] for r in asyncio.run(read_stream(sc, "east", "BACKFROMQ"))] == expected
 
 
 def test_an_interrupted_backup_leaves_nothing_and_runs_again(

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import fnmatch
+import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, ef
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
+from ferry.schema import BACKUP_RECORD
 from ferry.topology import RabbitCluster, Topology
 from ferry.uris import Endpoint, parse_uri
 
@@ -56,6 +58,11 @@ class CopyPlan:
     subjects: list[str] | None = None  # the destination stream's subjects, when planned
     transfer_id: str = ""
     notes: list[str] = field(default_factory=list)
+    stream_config: dict[str, Any] | None = None  # a stream source's, kept with its backup for --create
+
+    def backup_record(self) -> dict[str, Any]:
+        """What a backup into Parquet keeps beside its files (see _create_stream)."""
+        return {"source": str(self.source), "stream": self.stream_config}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -141,6 +148,8 @@ async def _plan_async(topology: Topology, plan: CopyPlan) -> None:
             st = states[src.stream or ""]
             plan.messages = st["messages"]
             plan.bytes = await _stream_payload(nc, src.stream or "", st)
+            if plan.destination.kind == "parquet":
+                plan.stream_config = (await nc.jsm().stream_info(src.stream or "")).config.as_dict()
         plan.notes.append("bytes are payload bytes, estimated from the stream's stored size")
     elif src.kind == "parquet":
         try:
@@ -359,17 +368,22 @@ def _use_batches(plan: CopyPlan, allowed: bool) -> None:
 
 
 async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> Any:
-    from nats.js.api import Placement
+    from nats.js.api import Placement, StreamConfig
     from nats.js.errors import APIError
 
     src, dst = plan.source, plan.destination
-    if src.kind != "jetstream":
-        raise UsageError("--create for a stream needs a JetStream source to copy its configuration from")
-    async with bnats.session(topology.nats(src.cluster or "", src.account), name=src.cluster or "") as snc:
-        config = (await snc.jsm().stream_info(src.stream or "")).config
+    if src.kind == "parquet":
+        config = StreamConfig.from_response(_backup_stream_config(src))
+    elif src.kind == "jetstream":
+        async with bnats.session(topology.nats(src.cluster or "", src.account), name=src.cluster or "") as snc:
+            config = (await snc.jsm().stream_info(src.stream or "")).config
+    else:
+        raise UsageError(f"--create for a stream copies a stream's configuration: {src} is no stream nor backup of one")
     config.name = dst.stream
     config.subjects = [plan.options.subject_prefix + s for s in (config.subjects or [])]
-    config.placement = Placement(cluster=dst.cluster) if _same_system(topology, src, dst) else None
+    same_system = src.kind == "jetstream" and _same_system(topology, src, dst)
+    config.placement = Placement(cluster=dst.cluster) if same_system else None
+    config.sealed, config.first_seq = False, None  # a sealed stream takes no copy; sequences start at 1
     config.mirror, config.sources = None, None
     config.allow_batched = True  # so that the copy can publish in fast batches
     try:
@@ -381,6 +395,23 @@ async def _create_stream(topology: Topology, plan: CopyPlan, jsm: Any) -> Any:
             else ""
         )
         raise ConfigError(f"{dst}: cannot create stream {dst.stream!r}: {exc.description}{hint}") from None
+
+
+def _backup_stream_config(src: Endpoint) -> dict[str, Any]:
+    """The configuration of the stream a Parquet backup was taken from, as its record kept it."""
+    path = Path(src.path or "") / BACKUP_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        record = {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{src}: cannot read the backup's record {path}: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("stream"), dict):
+        raise UsageError(
+            f"--create: {src} records no stream configuration (not a backup of a stream, or one written "
+            f"before ferry kept {BACKUP_RECORD}): create the stream first"
+        )
+    return dict(record["stream"])
 
 
 def _same_system(topology: Topology, a: Endpoint, b: Endpoint) -> bool:

@@ -138,15 +138,15 @@ def _run_stream(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepo
         df = stream_frame(spark, _source_cfg(topology, plan))
     else:
         df = spark.read.schema(SPARK_DDL).parquet(src.path)
-        if dst.kind == "jetstream" and opts.mode == "ordered":  # Spark reads a backup's files largest first
+        if dst.kind != "parquet" and opts.mode == "ordered":  # Spark reads a backup's files largest first
             df = df.orderBy("source", "source_seq")
         if plan.resume_from:
             df = df.filter(df.source_seq >= plan.resume_from)
     if dst.kind == "parquet":  # the plan already refused a non-empty directory
-        report.read, report.bytes = write_parquet(df, Path(dst.path or ""))
+        report.read, report.bytes = write_parquet(df, Path(dst.path or ""), plan.backup_record())
         report.stored = report.read
         return
-    if dst.kind == "jetstream" and opts.mode == "ordered":
+    if opts.mode == "ordered":  # one writer, into a stream or a queue
         df = df.coalesce(1)
     tasks = df.rdd.getNumPartitions() if not is_connect(spark) else (opts.partitions or 1)
     spec = _write_options(topology, dst, plan, max(1, tasks))
@@ -288,7 +288,7 @@ def _run_snapshot(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRe
 
     if dst.kind == "parquet":
         frame = per_index(spark, len(work), lambda i: iterate(read(work[i])), SPARK_DDL)
-        report.read, report.bytes = write_parquet(frame, Path(dst.path or ""))
+        report.read, report.bytes = write_parquet(frame, Path(dst.path or ""), plan.backup_record())
         report.stored = report.read
         return
     specs = [_write_options(topology, dst, plan, len(work)) for _ in work]
