@@ -72,6 +72,7 @@ def move_cmd(
         asked = run(mv.cancel(cluster, stream))
         print_json(asked) if as_json else out.print(
             f"cancel of {stream}'s move requested; it returns to {asked.cluster}"
+            + (f" ({asked.driven_by}, which runs the move, ends it cancelled)" if asked.driven_by else "")
         )
         return
     if bool(stream) == bool(streams):

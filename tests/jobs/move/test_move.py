@@ -207,6 +207,11 @@ def test_preflight_refusals_change_nothing(supercluster: lab.LabState) -> None:
     topo = profile_topology(supercluster)
     asyncio.run(make_stream(topo, "east", "MOVE_P", ["move_p.>"], placement="east"))
     before = where(topology, "MOVE_P")
+    r = ferry("move", "--stop", "MOVE_P", topology=topology)  # in the user's words, not the server API's
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: stream 'MOVE_P' is not moving (its group is in east): nothing to stop"
+    ]
 
     code, _, _ = move(topology, "MOVE_P", "--to", "south")
     assert code == 1
@@ -372,6 +377,37 @@ def test_a_move_left_by_a_second_ctrl_c_is_cancelled_by_its_rerun(supercluster: 
     assert not any("someone else" in str(e.get("by")) for e in events), events
     cluster, peers = where(topology, "MOVE_C")
     assert cluster == "east" and all(p.startswith("east-") for p in peers), peers
+
+
+def test_a_stop_from_another_ferry_names_the_ferry_that_runs_the_move(supercluster: lab.LabState) -> None:
+    """`ferry move --stop` while another ferry moves the stream: it names that ferry (its pid),
+    which ends the move cancelled, and says the stop came from outside it, not from "someone else"."""
+    topology = topology_of(supercluster)
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_S", ["move_s.>"], placement="east"))
+    fill_big(topo, "MOVE_S")
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    mover = subprocess.Popen(
+        [*FERRY, "move", "MOVE_S", "--to", "west", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert mover.stderr is not None
+    said = []
+    for line in mover.stderr:
+        said.append(line)
+        if '"event": "placement"' in line:
+            break
+    stopped = ferry("move", "--stop", "MOVE_S", topology=topology, check=True).stdout
+    assert f"(ferry pid {mover.pid} on " in stopped and "ends it cancelled" in stopped, stopped
+    out, rest = mover.communicate(timeout=120)
+    events = [json.loads(x) for x in [*said, *rest.splitlines()] if x.startswith("{")]
+    assert json.loads(out)["outcome"] == "cancelled", out
+    (cancelled,) = [e for e in events if e["event"] == "cancelled"]
+    assert cancelled["by"].startswith("outside this ferry: `ferry move --stop`"), cancelled
+    assert where(topology, "MOVE_S")[0] == "east"
 
 
 def test_an_interrupt_before_the_placement_update_leaves_the_placement_alone(supercluster: lab.LabState) -> None:

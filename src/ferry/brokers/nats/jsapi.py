@@ -121,7 +121,8 @@ async def api(nc: Client, subject: str, payload: dict | None = None, timeout: fl
             raise NotFound(f"stream {subject.rsplit('.', 1)[-1]!r} not found")
         if off := bnats.jetstream_off(nc, code):
             raise off
-        raise FerryError(f"{subject}: {err.get('description', err)} (err_code {code})", err_code=code)
+        description = err.get("description", str(err))
+        raise FerryError(f"{subject}: {description} (err_code {code})", err_code=code, description=description)
     return resp
 
 

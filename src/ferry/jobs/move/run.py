@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import os
 import shutil
@@ -18,7 +19,7 @@ from pydantic import ConfigDict, Field
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.jsapi import account_name, api, paged, peers, stream_info
-from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, PreflightFailed, UsageError
+from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.jobs.move.plan import (
     HANDOFF_STEADY_S,
     MOVE,
@@ -102,6 +103,13 @@ class CancelAsked(Model):
     stream: str
     cancelled: bool
     cluster: str | None
+    driven_by: str | None = None  # the live ferry running the move, which then ends it cancelled
+
+
+_MOVE_NOT_IN_PROGRESS = 10129  # nats-server's JSStreamMoveNotInProgress
+# a cancel this ferry did not ask for: the server puts the placement back on `ferry move --stop`
+# (from any ferry), on a CANCEL_MOVE from any other client, or on a placement update
+_FROM_OUTSIDE = "outside this ferry: `ferry move --stop`, or another client's cancel or placement update"
 
 
 async def _cancel_request(sysnc: Client, account: str, stream: str) -> dict:
@@ -282,7 +290,7 @@ async def _watch(
             placement = info["config"].get("placement") or {}
             if cancelled_at is None and not same_placement(placement, st["placement"]):
                 cancelled_at = now
-                emit("cancelled", by=f"the run before ({asked})" if asked else "someone else (placement changed back)")
+                emit("cancelled", by=f"the run before ({asked})" if asked else _FROM_OUTSIDE)
             if cancelled_at is None and placed_in(info, dest):
                 outcome = "moved"
                 break
@@ -406,8 +414,19 @@ async def cancel(cluster: NatsCluster, stream: str) -> CancelAsked:
     ):
         info = await stream_info(nc, stream)
         account = await account_name(nc)
+        where, driver = (info.get("cluster") or {}).get("name"), None
+        with contextlib.suppress(Exception):  # who runs the move, if a ferry does: said, not needed
+            record = await KvJournal(nc, f"move.{stream}").open(create=False) or {}
+            if record.get("phase") not in (None, "done", "cancelled") and owner_alive(record):
+                o = record.get("owner") or {}
+                driver = f"ferry pid {o.get('pid')} on {o.get('host')}"
         try:
             await _cancel_request(sysnc, account, stream)
         except FerryError as exc:
-            raise UsageError(f"stream {stream!r}: nothing to cancel ({exc})") from None
-        return CancelAsked(stream=stream, cancelled=True, cluster=(info.get("cluster") or {}).get("name"))
+            if exc.fields.get("err_code") == _MOVE_NOT_IN_PROGRESS:
+                raise UsageError(
+                    f"stream {stream!r} is not moving (its group is in {where}): nothing to stop"
+                ) from None
+            said = exc.fields.get("description") or exc
+            raise OperationFailed(f"stream {stream!r}: the server refused to stop its move: {said}") from None
+        return CancelAsked(stream=stream, cancelled=True, cluster=where, driven_by=driver)
