@@ -133,9 +133,9 @@ def _print_evacuation(r: dict[str, Any]) -> None:
     )
     out.print(table)
     out.print(
-        "moved by ferry: leaders stepped down (or classic queues relocated), replicas moved off (a peer-remove, "
-        "or a one-replica stream with its leader); other leaders left with their replicas, and followers with "
-        "no spare server to go to stay (kept)",
+        "moved by ferry: leaders stepped down (or classic queues relocated, or one-replica streams moved with "
+        "their consumers), followers moved off (a peer-remove); other leaders left with their replicas, and "
+        "followers with no spare server to go to stay (kept)",
         style="dim",
         highlight=False,
     )
@@ -143,6 +143,9 @@ def _print_evacuation(r: dict[str, Any]) -> None:
     if r.get("relocated"):
         moves = ", ".join(f"{x['queue']} -> {x['to']}" for x in r["relocated"])
         out.print(f"classic queues relocated: {moves}", highlight=False)
+    if r.get("singles_moved"):
+        moved = ", ".join(r["singles_moved"])
+        out.print(f"one-replica streams moved (scaled to 2, led elsewhere, back to 1): {moved}", highlight=False)
     if r.get("kept"):
         out.print(f"kept on the node (not movable): {', '.join(r['kept'])}", highlight=False)
     if r.get("outcome") == "evacuated":
@@ -252,7 +255,7 @@ def cluster_rebalance(
 
 def _print_rebalance(r: dict[str, Any]) -> None:
     if "proposal" in r:
-        table = Table("node", "role", "connections", "after", "sessions (leaders)", "after")
+        table = Table("node", "role", "connections", "after", "leaders to move", "after", "kept")
         for p in r["proposal"]:
             table.add_row(
                 p["node"],
@@ -261,8 +264,12 @@ def _print_rebalance(r: dict[str, Any]) -> None:
                 f"{p['connections_after']:,}",
                 f"{p['sessions']:,}",
                 f"{p['sessions_after']:,}",
+                f"{p.get('sessions_kept', 0):,}",
             )
         out.print(table)
+        out.print("kept: leaders no step-down can move (an R1 stream, another account's)", style="dim")
+    for note in r.get("notes") or []:
+        out.print(f"note: {note}", highlight=False)
     outcome = r["outcome"]
     if outcome == "dry-run":
         out.print("dry run: nothing changed; add --execute to carry it out")

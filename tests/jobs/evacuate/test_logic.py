@@ -101,13 +101,30 @@ def test_haproxy_config_checks_node_and_ferry() -> None:
     assert "balance leastconn" in cfg
 
 
-def test_a_rebalance_may_move_twice_the_leaders_its_proposal_plans() -> None:
-    from ferry.jobs.evacuate.plan import leader_move_budget
+def test_a_rebalance_moves_no_more_than_each_donor_gives_in_its_proposal() -> None:
+    from ferry.jobs.evacuate.plan import planned_moves
 
     proposal = [
         {"node": "a", "sessions": 8, "sessions_after": 6},
         {"node": "b", "sessions": 9, "sessions_after": 6},
         {"node": "c", "sessions": 0, "sessions_after": 5},
     ]
-    assert leader_move_budget(proposal) == 2 * 5 + 3
-    assert leader_move_budget([{**r, "sessions_after": r["sessions"]} for r in proposal]) == 3
+    assert planned_moves(proposal, "sessions") == {"a": 2, "b": 3, "c": 0}
+
+
+def test_a_dry_run_says_why_it_moves_nothing() -> None:
+    from ferry.jobs.evacuate.plan import why_nothing
+
+    # the default --abs-sess-threshold 1000 on a small cluster: the leader side does nothing, and says why
+    said = why_nothing("leaders", {"a": 7, "b": 2, "c": 2}, 1000, 1.2, "sess")
+    assert said == (
+        "leaders: the donors hold 7.0 on average and the recipients 2.0, within --abs-sess-threshold 1,000 "
+        "or --rel-sess-threshold 1.2: nothing to move (lower them to balance)"
+    )
+    assert (
+        why_nothing("connections", {"a": 3, "b": 3}, 1, 1.1, "conn") == "connections: even (a 3, b 3): nothing to move"
+    )
+    assert (
+        why_nothing("leaders", {"a": 4, "b": 4, "c": 3}, 1, 1.0, "sess")
+        == "leaders: no whole move brings the counts closer"
+    )

@@ -81,13 +81,28 @@ def propose(counts: dict[str, int], abs_threshold: float, rel_threshold: float) 
     return after if after != counts else None
 
 
-def leader_move_budget(proposal: list[dict[str, Any]]) -> int:
-    """How many leader moves a rebalance may make: twice what its proposal plans, and one per node.
-    Leader counts can keep changing under it (clients making and dropping consumers, a step-down
-    the server places elsewhere), and every move is a leader change on a live stream: a rebalance
-    chasing them would never end (a trial with a threshold of 1 made 246 moves for 5 planned)."""
-    planned = sum(max(0, row["sessions"] - row["sessions_after"]) for row in proposal)
-    return 2 * planned + len(proposal)
+def planned_moves(proposal: list[dict[str, Any]], what: str) -> dict[str, int]:
+    """What each donor gives in the proposal (`what`: connections or sessions): a rebalance never
+    evicts more. Counts can keep changing under it (clients making and dropping consumers, a
+    step-down the server places elsewhere, clients reconnecting where they like): a rebalance
+    chasing them would never end (a trial with a threshold of 1 made 246 moves for 5 planned),
+    and one that went on past its plan overshot (0/5/4 became 6/2/1)."""
+    return {row["node"]: max(0, row[what] - row[f"{what}_after"]) for row in proposal}
+
+
+def why_nothing(what: str, counts: dict[str, int], abs_threshold: float, rel_threshold: float, flag: str) -> str:
+    """Why a rebalance proposes no move of `what` (for the dry run): even counts, or the thresholds."""
+    donors, recipients = split(counts)
+    if not donors or not recipients:
+        return f"{what}: even ({', '.join(f'{n} {c:,}' for n, c in counts.items())}): nothing to move"
+    d, r = avg([counts[n] for n in donors]), avg([counts[n] for n in recipients])
+    if within(d, r, abs_threshold, rel_threshold):
+        return (
+            f"{what}: the donors hold {d:,.1f} on average and the recipients {r:,.1f}, within "
+            f"--abs-{flag}-threshold {abs_threshold:,g} or --rel-{flag}-threshold {rel_threshold:g}: "
+            "nothing to move (lower them to balance)"
+        )
+    return f"{what}: no whole move brings the counts closer"
 
 
 class Pacer:

@@ -28,12 +28,13 @@ from ferry.jobs.evacuate.plan import (
     RebalanceRequest,
     avg,
     evacuation_key,
-    leader_move_budget,
     least_loaded,
+    planned_moves,
     propose,
     rebalance_key,
     split,
     way_on,
+    why_nothing,
     within,
 )
 from ferry.jobs.shared.events import Emit, no_emit
@@ -374,8 +375,9 @@ async def _evict_sessions(d: _Driver, pacer: Pacer) -> bool:
             d.emit("warning", message=f"{a.label}: one-replica stream not moved: {err}")
             if not retry:
                 st.setdefault("unmovable", []).append(a.label)
-        else:
-            removed += 1
+        else:  # its leaders moved (the stream's and its consumers'), counted as the node's sessions were
+            moved += sum(1 for x in v.leaders if (x.account, x.stream) == (a.account, a.stream)) or 1
+            st["singles_moved"] = sorted({*st.get("singles_moved", []), a.label})
         await d.save(scaled=sorted(scaled))
     for a in replicas[: pacer.take(len(replicas))]:
         if not d.fresh(f"peer:{a.label}"):
@@ -488,9 +490,16 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
     if down:
         raise PreflightFailed(f"node {', '.join(down)} not answering ({views[down[0]].error})")
     conns = {n: len(v.conns) for n, v in views.items()}
-    sess = {n: len(v.leaders) for n, v in views.items()}
+    sess = {n: _movable(nodes, v) for n, v in views.items()}  # what a step-down cannot move stays out of it
     conn_after = propose(conns, req.abs_conn_threshold, req.rel_conn_threshold)
     sess_after = propose(sess, req.abs_sess_threshold, req.rel_sess_threshold)
+    notes = (
+        []
+        if conn_after
+        else [why_nothing("connections", conns, req.abs_conn_threshold, req.rel_conn_threshold, "conn")]
+    )
+    if not sess_after:
+        notes.append(why_nothing("leaders", sess, req.abs_sess_threshold, req.rel_sess_threshold, "sess"))
     donors, recipients = split(conns) if conn_after else ([], [])
     sess_donors, sess_recipients = split(sess) if sess_after else ([], [])
     rows = [
@@ -501,6 +510,7 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
             "connections_after": (conn_after or conns)[n],
             "sessions": sess[n],
             "sessions_after": (sess_after or sess)[n],
+            "sessions_kept": len(views[n].leaders) - sess[n],
         }
         for n in names
     ]
@@ -516,9 +526,16 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
             include={"abs_conn_threshold", "rel_conn_threshold", "abs_sess_threshold", "rel_sess_threshold"}
         ),
         "proposal": rows,
+        "notes": notes,
         "evicted": {"connections": 0, "sessions": 0},
+        "evicted_by": {"connections": {}, "sessions": {}},
         "outcome": "proposal" if conn_after or sess_after else "nothing to balance",
     }
+
+
+def _movable(nodes: Nodes, view: NodeView) -> int:
+    """The leaders on a node that a step-down can move (not an R1 stream, nor another account's)."""
+    return sum(1 for a in view.leaders if nodes.movable(a))
 
 
 async def _run_rebalance(d: _Driver) -> dict[str, Any]:
@@ -526,8 +543,49 @@ async def _run_rebalance(d: _Driver) -> dict[str, Any]:
     if ended:
         return ended
     await d.journal.delete()  # donors return to service
-    views = await d.nodes.views(d.st["nodes"])
+    views = await _settled(d)
+    if outcome == "done":  # the end state measured, not assumed
+        outcome = _judged(d.st, views, d.nodes)
     return {**public(d.st), "outcome": outcome, "now": [v.summary() for v in views.values()]}
+
+
+SETTLE = 10.0  # seconds a rebalance's end waits for the clients it evicted to be listed again
+
+
+async def _settled(d: _Driver) -> dict[str, NodeView]:
+    """The nodes once the clients evicted are back (as many connections listed as before), for
+    at most SETTLE seconds: a node's listing lags, and an evicted client takes a moment to return."""
+    before = sum(row["connections"] for row in d.st["proposal"])
+    deadline = time.monotonic() + SETTLE
+    while True:
+        views = await d.nodes.views(d.st["nodes"])
+        if sum(len(v.conns) for v in views.values()) >= before or time.monotonic() > deadline:
+            return views
+        await asyncio.sleep(TICK)
+
+
+def _judged(st: dict[str, Any], views: dict[str, NodeView], nodes: Nodes) -> str:
+    """The outcome from the counts measured at the end: balanced, or which counts are not."""
+    th, off = st["thresholds"], []
+    sides = (
+        ("connections", st["donors"], st["recipients"], "conn"),
+        ("sessions", st["session_donors"], st["session_recipients"], "sess"),
+    )
+    for what, donors, recipients, flag in sides:
+        if not donors:
+            continue
+        counts = {n: len(v.conns) if what == "connections" else _movable(nodes, v) for n, v in views.items()}
+        if not within(
+            avg([counts[n] for n in donors]),
+            avg([counts[n] for n in recipients]),
+            th[f"abs_{flag}_threshold"],
+            th[f"rel_{flag}_threshold"],
+        ):
+            label = "connections" if what == "connections" else "movable leaders"
+            off.append(f"{label} now {', '.join(f'{n} {c:,}' for n, c in counts.items())}")
+    if not off:
+        return "balanced"
+    return "moved as planned, not balanced: " + "; ".join(off) + " (a rebalance moves no more than its plan)"
 
 
 async def _rebalance_steps(d: _Driver) -> str:
@@ -536,7 +594,8 @@ async def _rebalance_steps(d: _Driver) -> str:
     rates, th = st["rates"], st["thresholds"]
     conn_pacers = {n: Pacer(rates["conn_evict_rate"]) for n in st["donors"]}
     sess_pacers = {n: Pacer(rates["sess_evict_rate"]) for n in st["session_donors"]}
-    outcome = "balanced"
+    planned = {kind: planned_moves(st["proposal"], kind) for kind in ("connections", "sessions")}
+    outcome = "done"
     while not d.stop.is_set():
         state = st["state"]
         if state in ("waiting_health_check", "waiting_takeover"):
@@ -558,8 +617,7 @@ async def _rebalance_steps(d: _Driver) -> str:
         donors, recipients = (
             (st["donors"], st["recipients"]) if conns else (st["session_donors"], st["session_recipients"])
         )
-        count = (lambda v: len(v.conns)) if conns else (lambda v: len(v.leaders))
-        counts = {n: count(v) for n, v in views.items()}
+        counts = {n: len(v.conns) if conns else _movable(nodes, v) for n, v in views.items()}
         # a node's listing lags (RabbitMQ's by up to a statistics interval): clients kicked a moment
         # ago may still be listed; they are on their way, so they count as given up already
         left = {n: sum(1 for c in v.conns if not d.recent(f"cid:{n}:{c['cid']}")) for n, v in views.items()}
@@ -570,17 +628,18 @@ async def _rebalance_steps(d: _Driver) -> str:
             else (th["abs_sess_threshold"], th["rel_sess_threshold"])
         )
         st["counts"] = counts
-        if not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t):
+        kind = "connections" if conns else "sessions"
+        given = st.setdefault("evicted_by", {}).setdefault(kind, {})
+        quota = {dn: planned[kind].get(dn, 0) - given.get(dn, 0) for dn in donors}
+        balanced = not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t)
+        if balanced or not any(q > 0 for q in quota.values()):  # never past the plan
             if conns:
                 await d.enter("waiting_takeover")
                 continue
+            outcome = "done"
             break
         level = avg(list(counts.values()))  # what every node holds once balanced
-        moved, budget = st["evicted"]["sessions"], leader_move_budget(st["proposal"])
-        if not conns and moved >= budget:
-            outcome = f"stopped after {moved} leader moves (at most {budget} for its plan): the counts keep changing"
-            break
-        over = [dn for dn in donors if counts[dn] > level]
+        over = [dn for dn in donors if counts[dn] > level and quota[dn] > 0]
         if not conns and not any(nodes.movable(a) for dn in over for a in views[dn].leaders):
             outcome = "balanced as far as possible (the donors' other leaders cannot move)"
             break
@@ -593,7 +652,7 @@ async def _rebalance_steps(d: _Driver) -> str:
         for dn in sorted(over, key=counts.__getitem__, reverse=True):
             if conns and left[dn] <= level:
                 continue  # what it still lists above the level was kicked a moment ago
-            excess = min(room, max(1, math.ceil((left[dn] if conns else counts[dn]) - level)))
+            excess = min(room, quota[dn], max(1, math.ceil((left[dn] if conns else counts[dn]) - level)))
             room -= excess  # (moving to `goal` would overshoot)
             if not excess:
                 break
@@ -601,7 +660,8 @@ async def _rebalance_steps(d: _Driver) -> str:
                 n = await d.evict_conns(views[dn], conn_pacers[dn], limit=excess)
             else:
                 n, _ = await d.evict_leaders(views[dn], sess_pacers[dn], recipients, dict(counts), limit=excess)
-            st["evicted"]["connections" if conns else "sessions"] += n
+            st["evicted"][kind] += n
+            given[dn] = given.get(dn, 0) + n
             if n:
                 d.emit("evicted", node=dn, **{"connections" if conns else "sessions": n})
         await d.save()
