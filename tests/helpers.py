@@ -178,12 +178,12 @@ async def queue_depth(topo: Topology, cluster: str, vhost: str, queue: str) -> i
         return int(declared.declaration_result.message_count)
 
 
-def snapshot_here(spark: Any, topology: Path, source: str, out: Path, federated: bool = False) -> dict[str, Any]:
+def snapshot_here(spark: Any, topology: Path, source: str, out: Path) -> dict[str, Any]:
     """`ferry snapshot` in the tests' own Spark session (no JVM start per call; the command itself
     has its tests in test_proof)."""
     from ferry.jobs.proof.snapshot import snapshot
 
-    return snapshot(load_topology(topology), lambda: spark, source, out, federated)
+    return snapshot(load_topology(topology), lambda: spark, source, out)
 
 
 def judge(

@@ -194,7 +194,9 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         asyncio.run(make_stream(sc, "east", "CONSOLE", ["console.>"], placement="east"))
         move_load = load(sc_topology, "east", "console.{n}", tmp_path / "move-ledger", 500, 12)
         time.sleep(2)  # the move starts under load (bounded: the load runs 12 s)
-        moved = json.loads(ferry("move", "CONSOLE", "--to", "west", "--json", topology=sc_topology, check=True).stdout)
+        move_run = ferry("move", "CONSOLE", "--to", "west", "--json", topology=sc_topology, check=True)
+        moved = json.loads(move_run.stdout)
+        (tmp_path / "move-events.jsonl").write_text(move_run.stderr)  # its --json events, for the audit's timeline
         assert moved["outcome"] == "moved", moved
         move_load.communicate(timeout=120)
         assert move_load.returncode == 0
@@ -238,11 +240,15 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         # the audit of the move, in the folder the sites serve lists
         ferry(
             "audit", "--ledger", str(tmp_path / "move-ledger"), "--tier", "west=jetstream://west/CONSOLE",
+            "--events", str(tmp_path / "move-events.jsonl"), "--bucket", "1",
             "--html", str(reports / "move.html"), topology=sc_topology, check=True,
         )  # fmt: skip
         listed = httpx.get(f"{sites_serve}/api/console", timeout=10).json()["audits"]
         assert [a["name"] for a in listed] == ["move"] and listed[0]["pass"] and listed[0]["tiers"]["west"]["lost"] == 0
-        assert httpx.get(f"{sites_serve}/reports/move.html", timeout=10).status_code == 200
+        page = httpx.get(f"{sites_serve}/reports/move.html", timeout=10)
+        assert page.status_code == 200
+        marks = re.findall(r"<title>\d\d:\d\d:\d\d(?: to \d\d:\d\d:\d\d)?: ([a-z]+)", page.text)
+        assert {"plan", "placement", "done"} <= set(marks) and "<polyline points=" in page.text, marks
         assert httpx.get(f"{sites_serve}/reports/..%2Fx.html", timeout=10).status_code == 404
 
         # every panel's query has series in Prometheus

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology
+from ferry.cli.options import FederatedOpt, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology
 from ferry.cli.render import err, out, print_json, progress_bar, redelivered_warning
 
 
@@ -30,9 +30,7 @@ def copy_cmd(
     drain: Annotated[
         bool, typer.Option("--drain", help="Queues: move their messages out (default: read and requeue, keep them).")
     ] = False,
-    federated: Annotated[
-        bool, typer.Option("--federated", help="Queues: read a federated queue all the same (may pull upstream's).")
-    ] = False,
+    federated: FederatedOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
@@ -57,7 +55,6 @@ def copy_cmd(
         dry_run=dry_run,
         subject_prefix=subject_prefix,
         drain=drain,
-        federated=federated,
     )
     plan = plan_copy(topo, source, destination, opts)
     if dry_run:

@@ -24,6 +24,9 @@ TopologyOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+# `copy` and `snapshot` once refused a federated queue without it; a federated queue is now read
+# without pulling from its upstream, and scripts that pass it keep working (it changes nothing)
+FederatedOpt = Annotated[bool, typer.Option("--federated", hidden=True)]
 MetricsPortOpt = Annotated[
     int | None,
     typer.Option(help="Serve the running job's own figures as Prometheus metrics on 127.0.0.1:PORT/metrics."),

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import FederatedOpt, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
 from ferry.cli.render import busy, err, out, print_json, progress_bar, utc_time
 
 
@@ -114,9 +114,7 @@ def snapshot_cmd(
         str, typer.Argument(help="jetstream://CLUSTER/STREAM or rabbitmq://CLUSTER/VHOST/QUEUE (vhost *, queue a glob)")
     ],
     out_dir: Annotated[Path, typer.Option("--out", help="New (or empty) directory for the Parquet snapshot.")],
-    federated: Annotated[
-        bool, typer.Option(help="Read federated queues too: reading one pulls messages from its upstream into it.")
-    ] = False,
+    federated: FederatedOpt = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
@@ -130,9 +128,7 @@ def snapshot_cmd(
 
     spark = factory(spark_master, spark_remote, app_name="ferry snapshot", data_sources=False)
 
-    result = snapshot(
-        topo, spark, source, out_dir, federated, progress=lambda n: progress_bar(n, "snapshot", enabled=not as_json)
-    )
+    result = snapshot(topo, spark, source, out_dir, progress=lambda n: progress_bar(n, "snapshot", enabled=not as_json))
     if as_json:
         print_json(result)
         return
@@ -149,6 +145,20 @@ def audit_cmd(
         list[str],
         typer.Option(metavar="NAME=WHERE", help="NAME=SNAPSHOT_DIR or NAME=jetstream://CLUSTER/STREAM (repeat)."),
     ],
+    holds: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="TIER=LEDGER",
+            help="The tier must hold this ledger's messages (repeat); without it, every ledger's.",
+        ),
+    ] = None,
+    events: Annotated[
+        list[Path] | None,
+        typer.Option(
+            metavar="FILE",
+            help="A job's --json events (its stderr), marked on the report's timeline (repeat).",
+        ),
+    ] = None,
     bucket: Annotated[int, typer.Option(min=1, help="Seconds per time bucket.")] = 10,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("ferry-audit.html"),
     max_lost: Annotated[int, typer.Option(min=0, help="Exit non-zero when more are lost.")] = 0,
@@ -160,7 +170,7 @@ def audit_cmd(
 ) -> None:
     """Reconcile a ledger with what each tier holds: lost, duplicated, unexpected, reordered, corrupted, delay."""
     from ferry.errors import UsageError
-    from ferry.jobs.proof.audit import FULL_JVM_ROWS, audit, check_inputs, tier_frame, verdict
+    from ferry.jobs.proof.audit import FULL_JVM_ROWS, audit, check_inputs, read_events, tier_frame, verdict
     from ferry.jobs.proof.report import render_html
     from ferry.spark.session import get_session
 
@@ -175,7 +185,11 @@ def audit_cmd(
     needs_topology = any("://" in v and not v.startswith("parquet://") for v in tiers.values())
     topo = open_topology(topology) if needs_topology else None
     ledgers = [str(p) for p in ledger]
-    rows = check_inputs(topo, ledgers, tiers)
+    held = _holds(holds or [], tiers, ledgers)
+    marks = read_events(events or [])
+    rows, warnings = check_inputs(topo, ledgers, tiers, held)
+    for line in warnings:
+        err.print(f"warning: {line}", markup=False, highlight=False)
     if not html.resolve().parent.is_dir():  # found out before the Spark job, not after it
         raise UsageError(f"--html {str(html)!r}: no such directory {str(html.resolve().parent)!r}")
     spark = get_session(
@@ -191,7 +205,9 @@ def audit_cmd(
             ledgers[0] if len(ledgers) == 1 else ledgers,
             {n: tier_frame(spark, topo, v) for n, v in tiers.items()},
             bucket_s=bucket,
+            holds=held,
         )
+    report["warnings"], report["events"] = warnings, marks
     failures = verdict(report, max_lost, max_dup)
     html.write_text(render_html(report, failures))
     report["html"] = str(html.absolute())
@@ -209,7 +225,25 @@ def audit_cmd(
         raise typer.Exit(3)
 
 
+def _holds(given: list[str], tiers: dict[str, str], ledgers: list[str]) -> dict[str, list[str]]:
+    """--holds TIER=LEDGER, each naming a --tier and a --ledger: the ledgers of each tier named."""
+    from ferry.errors import UsageError
+
+    by_path = {Path(p).resolve(): p for p in ledgers}
+    out: dict[str, list[str]] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or name not in tiers:
+            raise UsageError(f"--holds {item!r}: expected TIER=LEDGER, TIER one of the tiers ({', '.join(tiers)})")
+        if Path(path).resolve() not in by_path:
+            raise UsageError(f"--holds {item!r}: {path!r} is not one of the --ledger directories")
+        out.setdefault(name, []).append(by_path[Path(path).resolve()])
+    return out
+
+
 def _print_audit(report: dict[str, Any]) -> None:
+    from ferry.jobs.proof.report import copied_delay_note
+
     s = report["sent"]
     out.print(
         f"ledger: {s['sent']:,} sent, {s['acked']:,} acked, {s['errors']:,} publish errors, "
@@ -224,7 +258,7 @@ def _print_audit(report: dict[str, Any]) -> None:
         "unexpected",
         "reordered",
         "corrupted",
-        "delay p50/p99 ms",
+        "sent→stored p50/p99 ms",
     )
     for name, t in report["tiers"].items():
         d = t.get("delay")
@@ -237,9 +271,12 @@ def _print_audit(report: dict[str, Any]) -> None:
             f"{t['unexpected']:,}",
             f"{t.get('reordered', 0):,}",
             f"{t.get('corrupted', 0):,}",
-            f"{d['p50_ms']:.1f} / {d['p99_ms']:.1f}" if d else "-",
+            f"{d['p50_ms']:.1f} / {d['p99_ms']:.1f}{' *' if d.get('by_copy') else ''}" if d else "-",
         )
     out.print(table)
+    for name, t in report["tiers"].items():
+        if (d := t.get("delay")) and d.get("by_copy"):
+            out.print(f"  * {name}: {copied_delay_note(d)}")
     for name, t in report["tiers"].items():
         lossy = [b for b in t["buckets"] if b["lost_acked"] + b["lost_not_asked"] + b["extra_copies"]]
         for b in lossy[:20]:

@@ -177,7 +177,7 @@ def _assert_rich_preserved(snapshot: Path) -> None:
 
 def _audit(spark: Any, dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
     snap = tmp_path / "pc1-snap"
-    snapshot_here(spark, dr["topology"], "rabbitmq://pc1/*/fed*", snap, federated=True)
+    snapshot_here(spark, dr["topology"], "rabbitmq://pc1/*/fed*", snap)
     _assert_rich_preserved(snap)
     return judge(spark, dr["topology"], dr["ledger"], str(snap), tmp_path / "audit.html", max_dup=max_dup)
 
@@ -409,10 +409,9 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
         assert result.returncode != 0, args
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], (args, result.stderr)
-    # reading a federated queue would pull its upstream's messages into it: a snapshot refuses it
+    # a snapshot of federated queues pulls nothing from their upstream (art's counts, below)
     snap = ferry("snapshot", "rabbitmq://ltm/fb-a/fed-*", "--out", str(tmp_path / "snap"), topology=topology)
-    assert snap.returncode == 2 and len(snap.stderr.strip().splitlines()) == 1, snap.stderr
-    assert re.search(r"queue fb-a/fed-\d is federated \(policy '.+'\): reading it would pull", snap.stderr)
+    assert snap.returncode == 0, snap.stderr
     assert asyncio.run(_counts(topo, "art", [])) == upstream
     assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
     assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
@@ -541,12 +540,6 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         args = ("failback", "--from", "ltm", "--to", "pc1", "--vhost", "/", "--json")
         plan = json.loads(ferry(*args, "--dry-run", topology=topology, check=True).stdout)["plan"]
         assert sorted((x["queue"], x["before"]) for x in plan["queues"]) == [("fed-0", 30), ("fed-1", 30)]
-        # refused before a Spark session is asked for (this one's server does not exist)
-        no_spark = ("--spark-remote", "sc://127.0.0.1:9")
-        snap = ferry(
-            "snapshot", "rabbitmq://ltm/%2F/fed-0", "--out", str(rabbit_dr.path / "s"), *no_spark, topology=topology
-        )
-        assert snap.returncode != 0 and snap.stderr.startswith("error: queue %2F/fed-0 is federated"), snap.stderr
         report = json.loads(ferry(*args, topology=topology, check=True).stdout)
         assert report["total"]["moved"] == 60 and report["upstream_pulled"] == 0
     finally:
@@ -568,7 +561,8 @@ def test_a_federated_queue_snapshot_keeps_queue_order_and_what_the_queue_held(
     rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
     """A classic queue of more than one channel's 50,000 messages on pc1, federated from art: a
-    snapshot gives exactly the messages the queue held when it began, in the queue's order. Its
+    snapshot (without --federated, no longer needed) gives exactly the messages the queue held
+    when it began, in the queue's order, and pulls none from art. Its
     consumers used to take turns (two snapshots of one idle classic queue agreed on 8,146 of
     51,700 places) and had room for twice the queue, so messages federation pulled from art took
     the place of ones the queue held (the audit after a failback counted 400 as lost)."""
@@ -577,11 +571,14 @@ def test_a_federated_queue_snapshot_keeps_queue_order_and_what_the_queue_held(
     try:
         asyncio.run(dr_federation(topo, ["snap"], ["snap-0"], prefix="snap", upstream_messages=50))
         asyncio.run(fill_queue(topo, "pc1", "snap", "snap-0", n))
-        args = ("snapshot", "rabbitmq://pc1/snap/snap-0", "--federated", "--out", str(tmp_path / "s"))
+        args = ("snapshot", "rabbitmq://pc1/snap/snap-0", "--out", str(tmp_path / "s"))
         r = ferry(*args, topology=topology)
         assert r.returncode == 0, r.stderr[-2000:]
         rows = pq.read_table(tmp_path / "s", columns=["source_seq", "payload"]).sort_by("source_seq")
         assert rows.column("payload").to_pylist() == [f"snap-0:{i}".encode() for i in range(n)]
+        # and nothing was pulled from art (a consumer of priority 0 pulled all of a queue's upstream)
+        depth = {c: asyncio.run(queue_depth(topo, c, "snap", "snap-0")) for c in ("art", "pc1")}
+        assert depth == {"art": 50, "pc1": n}, depth
     finally:  # the lab's other tests expect no federation link of it
 
         async def drop() -> None:

@@ -185,6 +185,33 @@ def test_producers_of_two_runs_are_not_one(spark: Any, tmp_path: Path) -> None:
     assert t["reordered"] == _expected(ledger, tier)["reordered"] == 1
 
 
+def test_a_tier_named_for_one_ledger_is_judged_on_it_and_copies_delays_are_told_apart(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Two loads, one tier holding the first's messages and one of the second's (an overlap), some
+    of them stored by a copy: without `holds` every message of the second load counts as lost
+    there; with it, none, and the second load's one message is neither lost nor unexpected. The
+    delays of the messages a copy stored are counted apart."""
+    a = _ledger(2, 20, 2, ["acked"], run="a")
+    b = _ledger(1, 10, 1, ["acked"], run="b", t0=a[-1]["sent_ns"] + 10**9)
+    tier = _tier(a + b, drop=set(range(len(a) + 1, len(a) + len(b))), dup={}, corrupt=set(), swaps=[], strangers=2)
+    copied = 7
+    for row in tier[:copied]:
+        row["headers"] = [*row["headers"], ("Ferry-Source", "east/ORIGIN"), ("Ferry-Source-Seq", "1")]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.Table.from_pylist(rows, schema=LEDGER_SCHEMA), tmp_path / name / "part-0.parquet")
+    pq.write_table(pa.Table.from_pylist(tier, schema=ARROW_SCHEMA), tmp_path / "tier.parquet")
+    frame = spark.read.parquet(str(tmp_path / "tier.parquet"))
+    ledgers = [str(tmp_path / "a"), str(tmp_path / "b")]
+    every = audit(spark, ledgers, {"t": frame}, bucket_s=1)["tiers"]["t"]
+    assert (every["lost"], every["unexpected"]) == (len(b) - 1, 2)
+    assert every["delay"]["by_copy"] == copied and every["delay"]["count"] == len(a) + 1
+    held = audit(spark, ledgers, {"t": frame}, bucket_s=1, holds={"t": [ledgers[0]]})["tiers"]["t"]
+    assert (held["lost"], held["unexpected"], held["tier_messages"]) == (0, 2, len(a) + 2)
+    assert sum(x["sent"] for x in held["buckets"]) == len(a) and held["delay"]["count"] == len(a)
+
+
 def test_faults_beyond_the_listed_ones_are_still_counted(spark: Any, tmp_path: Path) -> None:
     ledger = _ledger(1, 60, 1, ["acked"])  # 20 messages a second: 3 buckets
     lost, dup, corrupt = set(range(0, 60, 2)), dict.fromkeys(range(1, 20, 2), 1), set(range(21, 60, 2))

@@ -136,10 +136,23 @@ def test_load_snapshot_audit_and_named_losses(
     by_seq = {r["stored_seq"]: r for r in ledger_rows}
     expected = {by_seq[s]["id"] for s in deleted} | {r["id"] for r in ledger_rows if r["subject"] == "proof.3"}
     html = tmp_path / "faults.html"
+    # both loads, and a stream that can hold only the first: said before Spark starts (here refused
+    # by the --html that follows), and named with --holds
+    both = ("audit", "--ledger", str(tmp_path / "js-ledger"), "--ledger", str(tmp_path / "mq-ledger"))
+    warned = ferry(*both, "--tier", "live=jetstream://east/PROOF", "--html", "/nonexistent/x.html", topology=topology)
+    lines = warned.stderr.strip().splitlines()
+    assert warned.returncode == 2 and lines[-1].startswith("error: --html"), warned.stderr
+    assert lines[:-1] == [
+        f"warning: tier live: stream PROOF (proof.>) captures none of the subjects ledger {tmp_path / 'mq-ledger'} "
+        "sent on (e.g. proof-q): their messages count as lost there; --holds live=LEDGER names the ledgers a tier "
+        "must hold"
+    ], warned.stderr
+    unknown = ferry(*both, "--tier", "live=jetstream://east/PROOF", "--holds", "nope=x", topology=topology)
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines()[-1].startswith("error: --holds 'nope=x'")
     result = ferry(
-        "audit",
-        "--ledger",
-        str(tmp_path / "js-ledger"),
+        *both,
+        "--holds",
+        f"live={tmp_path / 'js-ledger'}",
         "--tier",
         "live=jetstream://east/PROOF",
         "--html",
@@ -147,7 +160,7 @@ def test_load_snapshot_audit_and_named_losses(
         "--json",
         topology=topology,
     )
-    assert result.returncode == 3, result.stderr
+    assert result.returncode == 3 and "warning" not in result.stderr, result.stderr
     t = json.loads(result.stdout)["tiers"]["live"]
     assert {r["id"] for r in t["lost_ids"]} == expected and t["lost_acked"] == len(expected)
     buckets = {r["id"]: r["bucket"] for r in t["lost_ids"]}

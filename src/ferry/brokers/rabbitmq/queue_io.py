@@ -388,20 +388,26 @@ class MoveResult:
 class _Consumer:
     """An aio-pika manual-ack consumer whose messages are awaited with a timeout (None when idle)."""
 
-    def __init__(self, queue: Any, inbox: asyncio.Queue[AbstractIncomingMessage] | None = None) -> None:
-        self.queue = queue
+    def __init__(
+        self, queue: Any, inbox: asyncio.Queue[AbstractIncomingMessage] | None = None, priority: int | None = None
+    ) -> None:
+        self.queue, self.priority = queue, priority
         self.inbox: asyncio.Queue[AbstractIncomingMessage] = inbox or asyncio.Queue()
 
     async def __aenter__(self) -> _Consumer:
         async def deliver(m: AbstractIncomingMessage) -> None:
             self.inbox.put_nowait(m)
 
-        self.tag = await self.queue.consume(deliver, no_ack=False)
+        arguments = {"x-priority": self.priority} if self.priority is not None else None
+        self.tag = await self.queue.consume(deliver, no_ack=False, arguments=arguments)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         with contextlib.suppress(Exception):
             await self.queue.cancel(self.tag)
+
+
+_UNDER_FEDERATION = -1  # a consumer priority for which no federation link runs
 
 
 async def _ready(channel: Any, queue: str) -> int:
@@ -502,8 +508,10 @@ async def snapshot_queue(
     A channel holds at most 65,535 unacked messages (and a quorum queue stops at 2,000 without an
     explicit prefetch), so a large queue is read through several channels, one after the other:
     each consumer starts once the one before holds all it may (consumers at once take turns, and
-    the rows lose the queue's order), and each may hold no more than the count read at the start
-    (a federated queue whose consumers have room pulls messages from its upstream).
+    the rows lose the queue's order), and each may hold no more than the count read at the start.
+    They consume with a negative priority: a federated queue's link pulls from its upstream only
+    for consumers of priority 0 or more (rabbit_federation_queue: ``active_unfederated``), so
+    reading a federated queue pulls nothing into it, and the applications' consumers go first.
     """
     per_channel = 50_000
     source = f"{name}/{q(vhost)}/{queue}"
@@ -523,7 +531,8 @@ async def snapshot_queue(
                     channels.append(channel)
                     await channel.set_qos(prefetch_count=min(per_channel, total - granted))
                     granted += min(per_channel, total - granted)
-                    await stack.enter_async_context(_Consumer(await channel.get_queue(queue, ensure=False), inbox))
+                    reader = _Consumer(await channel.get_queue(queue, ensure=False), inbox, priority=_UNDER_FEDERATION)
+                    await stack.enter_async_context(reader)
                 try:
                     m = await asyncio.wait_for(inbox.get(), idle)
                 except TimeoutError:

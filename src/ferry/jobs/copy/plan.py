@@ -18,7 +18,7 @@ import pyarrow as pa
 from ferry import brokers
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.reader import stream_states
-from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, effective_policy, q, queue_path
+from ferry.brokers.rabbitmq import Management, amqp_connect, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
@@ -37,7 +37,6 @@ class CopyOptions:
     subject_prefix: str = ""
     window: int = 512
     drain: bool = False  # queues: move their messages out (consume), instead of read and requeue
-    federated: bool = False  # queues: read a federated queue all the same (its link may pull upstream's)
 
 
 @dataclass
@@ -249,7 +248,6 @@ async def _source_queues(topology: Topology, src: Endpoint, options: CopyOptions
     cluster = topology.rabbitmq(src.cluster or "")
     async with Management(cluster, name=src.cluster or "") as m:
         vhosts = [v["name"] for v in await m.get("/vhosts")] if src.vhost == "*" else [src.vhost or "/"]
-        policies = [] if options.drain else await m.get("/policies")
         out = []
         for vhost in vhosts:
             if "*" in (src.queue or ""):
@@ -266,7 +264,7 @@ async def _source_queues(topology: Topology, src: Endpoint, options: CopyOptions
                 if item.get("exclusive_consumer_tag") or item.get("exclusive"):
                     continue
                 if not options.drain:
-                    _check_requeue(item, vhost, policies, options.federated)
+                    _check_requeue(item, vhost)
                 out.append(
                     {
                         "vhost": vhost,
@@ -281,10 +279,10 @@ async def _source_queues(topology: Topology, src: Endpoint, options: CopyOptions
     return out
 
 
-def _check_requeue(item: dict[str, Any], vhost: str, policies: list[dict[str, Any]], federated: bool) -> None:
+def _check_requeue(item: dict[str, Any], vhost: str) -> None:
     """Refuse a queue that reading and requeueing would change: one with a delivery limit (a
-    requeue counts as a delivery), or a federated one (its link pulls upstream's messages into a
-    queue with consumers), unless `federated`."""
+    requeue counts as a delivery). A federated queue is read as any other: the readers' negative
+    priority keeps its federation link from pulling (see queue_io.snapshot_queue)."""
     where = queue_path(vhost, item["name"])
     limit = (item.get("arguments") or {}).get("x-delivery-limit") or (
         item.get("effective_policy_definition") or {}
@@ -293,12 +291,6 @@ def _check_requeue(item: dict[str, Any], vhost: str, policies: list[dict[str, An
         raise ConfigError(
             f"queue {where} has a delivery limit ({limit}): reading it counts as a delivery and could "
             "dead-letter its messages; refusing (--drain moves them out instead)"
-        )
-    policy = effective_policy(policies, vhost, item["name"])
-    if not federated and policy and any(k in policy["definition"] for k in FEDERATION_KEYS):
-        raise ConfigError(
-            f"queue {where} is federated (policy {policy['name']!r}): reading it would pull messages "
-            "from its upstream into it; --federated to read it all the same"
         )
 
 

@@ -12,9 +12,16 @@ queues are snapshotted first) and each message id of the ledger:
   sent later (order inversions in the tier's own order: stream sequence, or
   queue position);
 - corrupted: payload hash differs from the one sent;
-- delay percentiles: stream time minus send time (JetStream tiers only: a
-  queue keeps no arrival time);
+- delay percentiles: from send to stored in this tier (stream time minus send
+  time; JetStream tiers only: a queue keeps no arrival time). End-to-end for
+  what producers and relays stored; for what a copy stored (a ``Ferry-Source``
+  or ``x-ferry-transfer`` header: ``ferry copy``, a fail-back, a repartition) it
+  is when the copy ran, so those are counted apart (``delay.by_copy``);
 - all of it per time bucket of send time (default 10 s).
+
+A tier must hold every ledger's messages unless it is given the ledgers it holds
+(``holds``): then the others' messages are left out of its counts, neither lost
+nor unexpected there.
 
 The tier's message id is the ``Ferry-Id`` header, else the message id
 (``Nats-Msg-Id`` / AMQP ``message_id``); ids are ferry load's
@@ -24,14 +31,16 @@ its sequence for the reorder check. Delays use the ``Ferry-Sent`` header (``x-fe
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from ferry.errors import ConfigError, NotFound, UsageError
+from ferry.headers import SOURCE_HDR, TRANSFER_HDR
 
-__all__ = ["FULL_JVM_ROWS", "audit", "check_inputs", "tier_frame", "verdict"]
+__all__ = ["FULL_JVM_ROWS", "audit", "check_inputs", "read_events", "tier_frame", "verdict"]
 
 _DELAY_BINS = 21  # delay histogram: <= 1, 2, 4, ... 2**20 ms, then beyond
 _DELAY_STEPS = 32  # delays are counted in bins of 1/32 of a doubling (2.2 %) for the percentiles
@@ -50,15 +59,18 @@ _COLUMNS = {  # what the audit cannot do without (a tier's other columns are rea
 }
 
 
-def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> int:
+def check_inputs(
+    topology: Any, ledgers: list[str], tiers: dict[str, str], holds: dict[str, list[str]] | None = None
+) -> tuple[int, list[str]]:
     """Refuse a missing ledger or snapshot, a bad URI or an unknown stream before Spark starts.
-    Returns the rows to reconcile, from the files' metadata and the streams' state."""
+    Returns the rows to reconcile, from the files' metadata and the streams' state, and a warning
+    for each stream tier that captures none, or not all, of the subjects of a ledger it must hold
+    (`holds`: a tier's ledgers, when not all)."""
     import asyncio
 
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    from ferry.brokers.nats.reader import stream_states
     from ferry.uris import parse_uri
 
     def opened(what: str, path: str) -> tuple[Any, int]:
@@ -76,18 +88,21 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
             raise ConfigError(f"{what} {path!r} is not {kind}: it has no column {', '.join(missing)}")
         return data, rows
 
-    rows, runs = 0, {}
+    rows, runs, subjects = 0, {}, {}
     for path in ledgers:
         if not Path(path).exists():
             raise NotFound(f"ledger {path!r} does not exist")
         data, n = opened("ledger", path)
         rows += n
+        if "subject" in data.schema.names:
+            subjects[path] = data.to_table(columns=["subject"]).column("subject").unique().drop_null().to_pylist()
         these = data.to_table(columns=["run"]).column("run").unique().to_pylist() if "run" in data.schema.names else []
         for run in these:  # a load given twice (a copy, or a directory and one inside it): each message counts twice
             if run in runs:
                 raise UsageError(f"ledgers {runs[run]!r} and {path!r} both hold load {run}")
             runs[run] = path
-    for value in tiers.values():
+    warnings = []
+    for name, value in tiers.items():
         if "://" not in value or value.startswith("parquet://"):
             path = value.removeprefix("parquet://")
             if not Path(path).exists():
@@ -100,10 +115,66 @@ def check_inputs(topology: Any, ledgers: list[str], tiers: dict[str, str]) -> in
                 f"tier {value!r}: give a snapshot directory or a jetstream:// URI "
                 "(snapshot queues first with `ferry snapshot`)"
             )
-        cluster = topology.nats(src.cluster, src.account)
-        states = asyncio.run(stream_states(cluster, [src.stream or ""], src.subject, src.cluster or ""))
-        rows += states[src.stream or ""]["messages"]
-    return rows
+        messages, captures = asyncio.run(_stream_tier(topology.nats(src.cluster, src.account), src))
+        rows += messages
+        for path in (holds or {}).get(name) or ledgers:
+            if captures and (line := _uncaptured(name, src, captures, path, subjects.get(path) or [])):
+                warnings.append(line)
+    return rows, warnings
+
+
+def read_events(paths: list[Path]) -> list[dict[str, Any]]:
+    """The events a job printed with ``--json`` (JSON lines with ``event`` and ``t``, on stderr;
+    other lines are skipped), for the report's timeline: each one's time, name and file."""
+    import json
+
+    out = []
+    for path in paths:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            raise NotFound(f"--events {str(path)!r}: {exc.strerror or exc}") from None
+        found = 0
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and isinstance(e.get("event"), str) and isinstance(e.get("t"), int | float):
+                out.append({"t": float(e["t"]), "event": e["event"], "source": path.name})
+                found += 1
+        if not found:
+            raise UsageError(
+                f"--events {str(path)!r}: no event in it (the JSON lines a ferry job prints on stderr with --json)"
+            )
+    return sorted(out, key=lambda e: e["t"])
+
+
+async def _stream_tier(cluster: Any, src: Any) -> tuple[int, list[str]]:
+    """A stream tier's messages (matching its filter) and the subjects its stream captures."""
+    from ferry.brokers import nats as bnats
+    from ferry.brokers.nats.reader import stream_states
+
+    stream, where = src.stream or "", src.cluster or ""
+    async with bnats.session(cluster, name=where) as nc:
+        states = await stream_states(cluster, [stream], src.subject, where, nc)
+        return states[stream]["messages"], (await nc.jsm().stream_info(stream)).config.subjects or []
+
+
+def _uncaptured(tier: str, src: Any, captures: list[str], ledger: str, sent: list[str]) -> str | None:
+    """A warning when stream tier `tier` cannot hold some of the subjects ledger `ledger` sent on."""
+    from ferry.subjects import Capture, matches
+
+    capture = Capture(captures)
+    missed = [x for x in sent if not (capture(x) and (not src.subject or matches(src.subject, x)))]
+    if not missed:
+        return None
+    held = f"{src.stream} ({', '.join(captures)}{f'; read for {src.subject}' if src.subject else ''})"
+    some = "none" if len(missed) == len(sent) else f"{len(missed):,} of the {len(sent):,}"
+    return (
+        f"tier {tier}: stream {held} captures {some} of the subjects ledger {ledger} sent on (e.g. {missed[0]}): "
+        f"their messages count as lost there; --holds {tier}=LEDGER names the ledgers a tier must hold"
+    )
 
 
 def tier_frame(spark: Any, topology: Any, value: str) -> Any:
@@ -128,10 +199,16 @@ def tier_frame(spark: Any, topology: Any, value: str) -> Any:
 
 
 def audit(
-    spark: Any, ledger: str | list[str], tiers: dict[str, Any], bucket_s: int = 10, max_listed: int = 10_000
+    spark: Any,
+    ledger: str | list[str],
+    tiers: dict[str, Any],
+    bucket_s: int = 10,
+    max_listed: int = 10_000,
+    holds: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """The reconciliation report (plain data, ready for JSON, tables and HTML). Several ledgers
-    (loads at several sites) are reconciled as one.
+    (loads at several sites) are reconciled as one; `holds` gives a tier the ledgers it must hold
+    (by default all of them).
 
     Plan per tier: the tier alone gives each copy's reorder flag (a window per
     source, subject and producer; producer and sequence are part of every ferry
@@ -144,8 +221,16 @@ def audit(
     from pyspark.sql import functions as F
 
     ledgers = [ledger] if isinstance(ledger, str) else ledger
-    led = spark.read.parquet(*ledgers).select(
+    holds = holds or {}
+    if holds:  # which ledger each message is of
+        read = functools.reduce(
+            lambda a, b: a.unionByName(b), (spark.read.parquet(p).withColumn("ledger", F.lit(p)) for p in ledgers)
+        )
+    else:
+        read = spark.read.parquet(*ledgers).withColumn("ledger", F.lit(None).cast("string"))
+    led = read.select(
         "id",
+        "ledger",
         "sent_ns",
         "outcome",
         _hash64(F.col("hash")).alias("l_hash"),
@@ -160,6 +245,7 @@ def audit(
         ident = F.coalesce(F.col("headers")["Ferry-Id"], F.col("msg_id"))
         sent = F.coalesce(F.col("headers")["Ferry-Sent"], F.col("headers")["x-ferry-sent"]).try_cast("long")
         stored_us = F.unix_micros(F.when(F.col("properties").isNull(), F.col("timestamp")))
+        by_copy = F.coalesce(F.col("headers")[SOURCE_HDR], F.col("headers")[TRANSFER_HDR]).isNotNull()
         producer_seq = F.regexp_extract(ident, r"-p(\d+-\d+)$", 1)  # "" for an id not ferry load's
         seq = F.substring_index(producer_seq, "-", -1)
         # the producer is "<run>-p<n>": each run's producers count from 1 again
@@ -173,6 +259,7 @@ def audit(
             producer.alias("producer"),
             seq.try_cast("long").alias("seq"),
             ((stored_us * 1000 - sent) / 1e6).alias("delay_ms"),
+            by_copy.alias("by_copy"),
         )
         earlier = Window.partitionBy("source", "t_subject", "producer").orderBy("pos")
         earlier = earlier.rowsBetween(Window.unboundedPreceding, -1)
@@ -183,11 +270,14 @@ def audit(
             F.max("t_hash").alias("h_max"),
             F.max(F.col("reordered").cast("int")).alias("reord"),
             F.min("delay_ms").alias("delay_ms"),  # the first arrival
+            F.max(F.col("by_copy").cast("int")).alias("by_copy"),
         )
         corrupt = (F.col("h_min") != F.col("l_hash")) | (F.col("h_max") != F.col("l_hash"))
         joined = led.join(per_id.hint("shuffle_hash"), "id", "full_outer").withColumns(
             {"known": F.col("outcome").isNotNull(), "present": F.col("copies").isNotNull(), "corrupt": corrupt}
         )
+        if name in holds:  # another ledger's messages: neither expected here nor unexpected
+            joined = joined.filter(F.col("ledger").isNull() | F.col("ledger").isin(holds[name]))
         lost = ~F.col("present") & F.col("outcome").isin("acked", "not_asked")
         faulty = ~F.col("known") | lost | (F.col("copies") > 1) | F.col("corrupt")
         d_ms = F.col("delay_ms")  # greatest() skips a null: keep the bin null without a delay
@@ -212,6 +302,7 @@ def audit(
             F.sum(F.coalesce(F.col("copies"), F.lit(0))).alias("copies_held"),
             F.sum(F.when(~known, F.col("copies"))).alias("unexpected"),
             F.count("delay_ms").alias("delays"),
+            n(F.col("delay_ms").isNotNull() & (F.col("by_copy") == 1)).alias("copied_delays"),
             F.min("delay_ms").alias("dmin"),
             F.max("delay_ms").alias("dmax"),
         )
@@ -231,7 +322,7 @@ def audit(
             .agg(*[F.sum(c).alias(c) for c in summed], F.min("dmin").alias("dmin"), F.max("dmax").alias("dmax"))
             .collect()
         )
-        counters = [c for c in summed if c not in ("unexpected", "delays")] if groups else []
+        counters = [c for c in summed if c not in ("unexpected", "delays", "copied_delays")] if groups else []
         per_bucket: dict[int, dict[str, int]] = {}
         for g in groups:
             if g["bucket"] is not None:
@@ -239,10 +330,19 @@ def audit(
                 for k in counters:
                     row[k] += int(g[k] or 0)
         rows = [per_bucket[b] for b in sorted(per_bucket)]
+        delays_of: dict[int, list[Any]] = {}
+        for g in groups:
+            if g["bucket"] is not None and g["delays"]:
+                delays_of.setdefault(g["bucket"], []).append(g)
+        for row in rows:  # the bucket's delays, for the report's timeline
+            if d := _delay_summary(delays_of.get(row["bucket"], [])):
+                row |= {"delay_p50_ms": d["p50_ms"], "delay_p99_ms": d["p99_ms"], "delay_max_ms": d["max_ms"]}
         totals = {k: sum(r[k] for r in rows) for k in counters}
         totals["lost"] = totals.get("lost_acked", 0) + totals.get("lost_not_asked", 0)
         unexpected = sum(int(g["unexpected"] or 0) for g in groups)
         delay = _delay_summary([g for g in groups if g["delays"]])
+        if delay:
+            delay["by_copy"] = sum(int(g["copied_delays"] or 0) for g in groups)
         faults = sorted(
             ({**g["fault"].asDict(), "bucket": g["bucket"]} for g in groups if g["fault"]),
             key=lambda f: _natural(f["id"]),
@@ -338,6 +438,8 @@ def _delay_summary(bins: list[Any]) -> dict[str, Any] | None:
     while histogram and histogram[-1]["count"] == 0:
         histogram.pop()
     return {
+        "measures": "sent -> stored in this tier",
+        "count": total,
         "p50_ms": round(pct(0.5), 2),
         "p90_ms": round(pct(0.9), 2),
         "p99_ms": round(pct(0.99), 2),

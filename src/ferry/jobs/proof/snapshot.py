@@ -36,11 +36,10 @@ def snapshot(
     spark: Callable[[], Any],
     source: str,
     out: Path,
-    federated: bool = False,
     progress: Callable[[int], AbstractContextManager[Callable[[int], None]]] | None = None,
 ) -> dict[str, Any]:
-    """What a stream or queues hold, into Parquet at `out`. A federated queue is refused unless
-    `federated`: reading it pulls messages from its upstream into it. The snapshot is reported
+    """What a stream or queues hold, into Parquet at `out` (a federated queue too: it is read
+    without pulling from its upstream, see queue_io.snapshot_queue). The snapshot is reported
     to what `progress(messages planned)` gives (it is called with the messages read).
     `spark()` gives the session, asked for once the source is known good: bad input is refused
     without starting a JVM."""
@@ -49,7 +48,7 @@ def snapshot(
         raise ConfigError(f"snapshot directory {out} is not empty")
     if src.kind not in ("jetstream", "rabbitmq"):
         raise UsageError(f"{source!r}: snapshot reads a jetstream:// stream or rabbitmq:// queues")
-    plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions(federated=federated))
+    plan = plan_copy(topology, source, f"parquet://{out.absolute()}", CopyOptions())
     if src.kind == "rabbitmq" and not plan.queues:
         raise ConfigError(f"{source!r}: no queue to snapshot")
     session = spark()  # before the bar: its clock and rate count the copy, not the JVM's start
