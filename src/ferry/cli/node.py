@@ -268,6 +268,10 @@ def _print_rebalance(r: dict[str, Any]) -> None:
             )
         out.print(table)
         out.print("kept: leaders no step-down can move (an R1 stream, another account's)", style="dim")
+        for node, labels in (r.get("kept") or {}).items():
+            if labels:
+                more = f" and {len(labels) - 5:,} more" if len(labels) > 5 else ""
+                out.print(f"  kept on {node}: {', '.join(labels[:5])}{more}", highlight=False)
     for note in r.get("notes") or []:
         out.print(f"note: {note}", highlight=False)
     outcome = r["outcome"]

@@ -34,6 +34,7 @@ from ferry.errors import BrokerUnavailable, Conflict
 from ferry.jobs.evacuate.nodes.base import RELOCATE_PREFIX, Asset
 from ferry.jobs.evacuate.plan import planned_moves
 from ferry.journal import ParamJournal
+from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import (
     FERRY,
@@ -45,6 +46,7 @@ from tests.helpers import (
     judge,
     make_stream,
     snapshot_here,
+    stream_leader,
     wait_for,
 )
 
@@ -52,6 +54,11 @@ pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
 CLIENTS = 300
 NODES = ("east-1", "east-2", "east-3")
+
+
+async def _delete_stream(topo: Topology, cluster: str, name: str) -> None:
+    async with bnats.session(topo.nats(cluster)) as nc:
+        await nc.jsm().delete_stream(name)
 
 
 def api(state: lab.LabState, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -347,6 +354,23 @@ def test_rebalance_proposes_then_balances_through_haproxy(
     rows = {r["node"]: r for r in dry["proposal"]}
     assert rows["east-2"]["connections"] >= CLIENTS and rows["east-2"]["connections_after"] < 130
     assert connections(supercluster)["east-2"] >= CLIENTS  # a dry run changes nothing
+    # the leaders' side, left alone by the default --abs-sess-threshold, says why
+    (why,) = [n for n in dry["notes"] if n.startswith("leaders: ")]
+    assert "nothing to move" in why, dry["notes"]
+    # a leader no step-down can move (a one-replica stream's) is kept out of the proposal, listed as kept
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "RB_KEPT", ["rb_kept.>"], replicas=1, placement="east"))
+    try:
+        led_by = wait_for(lambda: asyncio.run(stream_leader(topo, "east", "RB_KEPT")), 15, "RB_KEPT's leader")
+
+        def kept() -> bool:  # a node's listing of what it leads may lag its election
+            plan = json.loads(ferry(*args, topology=topology, check=True).stdout)
+            row = {r["node"]: r for r in plan["proposal"]}[led_by]
+            return any(k.endswith("/RB_KEPT") for k in plan["kept"][led_by]) and row["sessions_kept"] > 0
+
+        wait_for(kept, 15, f"the R1 stream's leader listed as kept on {led_by}")
+    finally:
+        asyncio.run(_delete_stream(topo, "east", "RB_KEPT"))
 
     r = ferry(*args, "--execute", topology=topology, check=True)
     result = json.loads(r.stdout)

@@ -526,6 +526,7 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
             include={"abs_conn_threshold", "rel_conn_threshold", "abs_sess_threshold", "rel_sess_threshold"}
         ),
         "proposal": rows,
+        "kept": {n: sorted(a.label for a in views[n].leaders if not nodes.movable(a)) for n in names},
         "notes": notes,
         "evicted": {"connections": 0, "sessions": 0},
         "evicted_by": {"connections": {}, "sessions": {}},
