@@ -135,6 +135,22 @@ def start_clients(state: lab.LabState, ledger: Path, seconds: float, stream: str
     return subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+@pytest.fixture
+def clients(supercluster: lab.LabState) -> Iterator[Callable[[Path, float, str], subprocess.Popen]]:
+    """start_clients on the supercluster; a load still running when the test ends (it failed) is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(ledger: Path, seconds: float, stream: str) -> subprocess.Popen:
+        started.append(start_clients(supercluster, ledger, seconds, stream))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def crowd_of(state: lab.LabState, load: subprocess.Popen, node: str) -> None:
     """Wait until the load's CLIENTS connections are all on `node`."""
 
@@ -186,12 +202,12 @@ def events(stderr: str) -> list[dict[str, Any]]:
 
 
 def test_evacuation_at_a_rate_through_haproxy_loses_nothing(
-    supercluster: lab.LabState, crowded: Any, tmp_path: Path, spark: Any
+    supercluster: lab.LabState, crowded: Any, clients: Any, tmp_path: Path, spark: Any
 ) -> None:
     topology = supercluster.path / "topology.yaml"
     topo = profile_topology(supercluster)
     crowded("east-1")
-    load = start_clients(supercluster, tmp_path / "ledger", 45, "EVAC")
+    load = clients(tmp_path / "ledger", 45, "EVAC")
     crowd_of(supercluster, load, "east-1")
     crowded.release()
 
@@ -339,11 +355,11 @@ def test_evacuation_moves_persistent_mqtt_sessions_with_their_qos1_messages(
 
 
 def test_rebalance_proposes_then_balances_through_haproxy(
-    supercluster: lab.LabState, crowded: Any, tmp_path: Path, spark: Any
+    supercluster: lab.LabState, crowded: Any, clients: Any, tmp_path: Path, spark: Any
 ) -> None:
     topology = supercluster.path / "topology.yaml"
     crowded("east-2")
-    load = start_clients(supercluster, tmp_path / "ledger", 35, "REBAL")
+    load = clients(tmp_path / "ledger", 35, "REBAL")
     crowd_of(supercluster, load, "east-2")
     crowded.release()
     args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
