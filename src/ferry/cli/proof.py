@@ -235,9 +235,9 @@ def _holds(given: list[str], tiers: dict[str, str], ledgers: list[str]) -> dict[
         name, sep, path = item.partition("=")
         if not sep or name not in tiers:
             raise UsageError(f"--holds {item!r}: expected TIER=LEDGER, TIER one of the tiers ({', '.join(tiers)})")
-        if Path(path).resolve() not in by_path:
+        if (ledger := by_path.get(Path(path).resolve())) is None:
             raise UsageError(f"--holds {item!r}: {path!r} is not one of the --ledger directories")
-        out.setdefault(name, []).append(by_path[Path(path).resolve()])
+        out.setdefault(name, []).append(ledger)
     return out
 
 

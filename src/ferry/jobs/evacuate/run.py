@@ -490,7 +490,8 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
     if down:
         raise PreflightFailed(f"node {', '.join(down)} not answering ({views[down[0]].error})")
     conns = {n: len(v.conns) for n, v in views.items()}
-    sess = {n: _movable(nodes, v) for n, v in views.items()}  # what a step-down cannot move stays out of it
+    kept = {n: sorted(a.label for a in v.leaders if not nodes.movable(a)) for n, v in views.items()}
+    sess = {n: _load(nodes, v, "sessions") for n, v in views.items()}  # what a step-down cannot move stays out
     conn_after = propose(conns, req.abs_conn_threshold, req.rel_conn_threshold)
     sess_after = propose(sess, req.abs_sess_threshold, req.rel_sess_threshold)
     notes = (
@@ -510,7 +511,7 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
             "connections_after": (conn_after or conns)[n],
             "sessions": sess[n],
             "sessions_after": (sess_after or sess)[n],
-            "sessions_kept": len(views[n].leaders) - sess[n],
+            "sessions_kept": len(kept[n]),
         }
         for n in names
     ]
@@ -526,17 +527,17 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
             include={"abs_conn_threshold", "rel_conn_threshold", "abs_sess_threshold", "rel_sess_threshold"}
         ),
         "proposal": rows,
-        "kept": {n: sorted(a.label for a in views[n].leaders if not nodes.movable(a)) for n in names},
+        "kept": kept,
         "notes": notes,
         "evicted": {"connections": 0, "sessions": 0},
-        "evicted_by": {"connections": {}, "sessions": {}},
         "outcome": "proposal" if conn_after or sess_after else "nothing to balance",
     }
 
 
-def _movable(nodes: Nodes, view: NodeView) -> int:
-    """The leaders on a node that a step-down can move (not an R1 stream, nor another account's)."""
-    return sum(1 for a in view.leaders if nodes.movable(a))
+def _load(nodes: Nodes, view: NodeView, what: str) -> int:
+    """What a rebalance balances on a node: its connections, or its sessions, the leaders a
+    step-down can move (not an R1 stream's, nor another account's)."""
+    return len(view.conns) if what == "connections" else sum(1 for a in view.leaders if nodes.movable(a))
 
 
 async def _run_rebalance(d: _Driver) -> dict[str, Any]:
@@ -575,7 +576,7 @@ def _judged(st: dict[str, Any], views: dict[str, NodeView], nodes: Nodes) -> str
     for what, donors, recipients, flag in sides:
         if not donors:
             continue
-        counts = {n: len(v.conns) if what == "connections" else _movable(nodes, v) for n, v in views.items()}
+        counts = {n: _load(nodes, v, what) for n, v in views.items()}
         if not within(
             avg([counts[n] for n in donors]),
             avg([counts[n] for n in recipients]),
@@ -618,7 +619,8 @@ async def _rebalance_steps(d: _Driver) -> str:
         donors, recipients = (
             (st["donors"], st["recipients"]) if conns else (st["session_donors"], st["session_recipients"])
         )
-        counts = {n: len(v.conns) if conns else _movable(nodes, v) for n, v in views.items()}
+        kind = "connections" if conns else "sessions"
+        counts = {n: _load(nodes, v, kind) for n, v in views.items()}
         # a node's listing lags (RabbitMQ's by up to a statistics interval): clients kicked a moment
         # ago may still be listed; they are on their way, so they count as given up already
         left = {n: sum(1 for c in v.conns if not d.recent(f"cid:{n}:{c['cid']}")) for n, v in views.items()}
@@ -629,7 +631,6 @@ async def _rebalance_steps(d: _Driver) -> str:
             else (th["abs_sess_threshold"], th["rel_sess_threshold"])
         )
         st["counts"] = counts
-        kind = "connections" if conns else "sessions"
         given = st.setdefault("evicted_by", {}).setdefault(kind, {})
         quota = {dn: planned[kind].get(dn, 0) - given.get(dn, 0) for dn in donors}
         balanced = not donors or within(avg([counts[x] for x in donors]), goal, abs_t, rel_t)
@@ -637,7 +638,6 @@ async def _rebalance_steps(d: _Driver) -> str:
             if conns:
                 await d.enter("waiting_takeover")
                 continue
-            outcome = "done"
             break
         level = avg(list(counts.values()))  # what every node holds once balanced
         over = [dn for dn in donors if counts[dn] > level and quota[dn] > 0]
