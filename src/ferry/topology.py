@@ -47,6 +47,7 @@ __all__ = [
     "ErlangAccess",
     "NatsBroker",
     "NatsCluster",
+    "OutboundTls",
     "RabbitBroker",
     "RabbitCluster",
     "Site",
@@ -304,15 +305,39 @@ class ErlangAccess(_Model):
             raise ConfigError(f"Erlang cookie file {self.cookie_file}: {exc.strerror}") from None
 
 
+class OutboundTls(_Model):
+    """Files on a RabbitMQ cluster's own nodes (paths on the broker hosts, never read by ferry)
+    that its shovels and federation links use to dial an ``amqps://`` broker: ``ca_file`` verifies
+    the broker dialled (``verify_peer``, against its URL's host), ``cert_file`` + ``key_file``
+    show the node's client certificate. Written into the URIs as RabbitMQ's ``cacertfile``,
+    ``certfile`` and ``keyfile`` query parameters."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> OutboundTls:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+        for key in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, key)
+            if path is not None and not path.startswith("/"):
+                raise ValueError(f"{key} must be an absolute path on the broker hosts, got {path!r}")
+        return self
+
+
 class RabbitCluster(_Model):
     """A RabbitMQ cluster. ``tls`` verifies its ``amqps://`` and ``https://`` endpoints against a
     private CA and shows a client certificate (the servers are verified against the host of each
-    URL: ``server_name`` is for NATS clusters)."""
+    URL: ``server_name`` is for NATS clusters). ``outbound_tls``: what its own nodes use when a
+    shovel or federation link of theirs dials an ``amqps://`` broker."""
 
     kind: Literal["rabbitmq"]
     brokers: list[RabbitBroker]
     credentials: Credentials | None = None
     tls: Tls | None = None
+    outbound_tls: OutboundTls | None = None
     erlang: ErlangAccess | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)

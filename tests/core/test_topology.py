@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from ferry.brokers.rabbitmq import amqp_uri
 from ferry.cli import app
 from ferry.errors import ConfigError, FerryError, NotFound, redact
-from ferry.topology import RabbitCluster, parse_topology
+from ferry.topology import Topology, parse_topology
 from ferry.uris import parse_uri
 from tests.helpers import VALID
 
@@ -179,18 +179,42 @@ def test_a_uri_with_credentials_is_refused_without_echoing_them() -> None:
     assert "hunter2" not in str(exc.value) and "give none here" in str(exc.value)
 
 
+def _rabbit_sites(**clusters: dict[str, object]) -> Topology:
+    return Topology.model_validate({"version": 1, "sites": {n: {"clusters": {n: c}} for n, c in clusters.items()}})
+
+
+def _rabbit(url: str, **extra: object) -> dict[str, object]:
+    host = url.split("://")[1].rsplit(":", 1)[0]
+    broker = {"name": "b-1", "url": url, "management_url": f"http://{host}:15672"}
+    return {
+        "kind": "rabbitmq",
+        "credentials": {"user": "ferry", "password_env": "FERRY_T_PW"},
+        "brokers": [broker],
+        **extra,
+    }
+
+
 def test_an_ipv6_broker_keeps_its_brackets_in_a_shovel_uri(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRY_T_V6", "pw")
-    cluster = RabbitCluster.model_validate(
-        {
-            "kind": "rabbitmq",
-            "credentials": {"user": "ferry", "password_env": "FERRY_T_V6"},
-            "brokers": [
-                {"name": "v6-1", "url": "amqp://[::1]:5672", "management_url": "http://[::1]:15672"},
-            ],
-        }
+    monkeypatch.setenv("FERRY_T_PW", "pw")
+    topo = _rabbit_sites(v6=_rabbit("amqp://[::1]:5672"), dr=_rabbit("amqp://127.0.0.1:5672"))
+    assert amqp_uri(topo, "v6", "/", dialer="dr") == "amqp://ferry:pw@[::1]:5672/%2F"
+
+
+def test_a_shovel_uri_to_a_tls_broker_carries_the_dialling_nodes_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_T_PW", "p/w")
+    files = {"ca_file": "/etc/rabbitmq/ca.pem", "cert_file": "/etc/rabbitmq/my cert.pem", "key_file": "/k.pem"}
+    topo = _rabbit_sites(main=_rabbit("amqps://main.example:5671"), dr=_rabbit("amqp://dr:5672", outbound_tls=files))
+    assert amqp_uri(topo, "main", "v h", dialer="dr") == (
+        "amqps://ferry:p%2Fw@main.example:5671/v%20h?cacertfile=/etc/rabbitmq/ca.pem"
+        "&certfile=/etc/rabbitmq/my%20cert.pem&keyfile=/k.pem&verify=verify_peer"
     )
-    assert amqp_uri(cluster, "/") == "amqp://ferry:pw@[::1]:5672/%2F"
+    bare = _rabbit_sites(main=_rabbit("amqps://main.example:5671"), dr=_rabbit("amqp://dr:5672"))
+    with pytest.raises(
+        ConfigError, match=r"^dr: its shovels .* to main's amqps:// .* give cluster 'dr' an outbound_tls"
+    ):
+        amqp_uri(bare, "main", "/", dialer="dr")
+    with pytest.raises(ValueError, match="ca_file must be an absolute path on the broker hosts"):
+        _rabbit_sites(dr=_rabbit("amqp://dr:5672", outbound_tls={"ca_file": "ca.pem"}))
 
 
 @pytest.mark.parametrize(

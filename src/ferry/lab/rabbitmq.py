@@ -219,7 +219,9 @@ def topology_cluster(
     return {
         "kind": "rabbitmq",
         "credentials": {"user": ADMIN_USER, "password_file": str(secrets_dir / "rabbitmq")},
-        **({"tls": secure.client_tls()} if secure else {}),
+        # the nodes dial other clusters (shovels, federation) with the same files: on the lab they are on
+        # this host, owned by the nodes' user
+        **({"tls": secure.client_tls(), "outbound_tls": secure.client_tls()} if secure else {}),
         "erlang": {"cookie_file": str(root / ".erlang.cookie"), "epmd_port": epmd_port},
         "brokers": brokers,
     }

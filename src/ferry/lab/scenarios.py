@@ -32,7 +32,6 @@ async def dr_federation(
     upstream_messages: int = 100,
 ) -> dict[str, Any]:
     """Create the setting (idempotent); returns the names, per vhost."""
-    art = topo.rabbitmq("art")
     for name in ("art", "pc1", "ltm"):
         creds = topo.rabbitmq(name).credentials
         user = creds.user if creds else "guest"
@@ -49,7 +48,13 @@ async def dr_federation(
                     await m.put(f"/queues/{q(vhost)}/plain-{i}", {"durable": True})
                 await m.put(
                     f"/parameters/federation-upstream/{q(vhost)}/art",
-                    {"value": {"uri": amqp_uri(art, vhost), "ack-mode": "on-confirm", "expires": 3600000}},
+                    {
+                        "value": {
+                            "uri": amqp_uri(topo, "art", vhost, dialer=name),
+                            "ack-mode": "on-confirm",
+                            "expires": 3600000,
+                        }
+                    },
                 )
                 await m.put(
                     f"/policies/{q(vhost)}/federate-with-art",

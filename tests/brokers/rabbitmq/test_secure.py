@@ -1,7 +1,7 @@
 """ferry on RabbitMQ over TLS: the secure rabbit-dr lab (AMQP and the management API on TLS
 ports only, client certificates required, the lab's own CA). Queues are copied between clusters
-and from a secure JetStream stream, counted by id; bad TLS settings get one line and change
-nothing; no secret reaches any output."""
+and from a secure JetStream stream, and failed back with either engine, counted by id; bad TLS
+settings get one line and change nothing; no secret reaches any output."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import yaml
 
 from ferry import lab
 from ferry.brokers.rabbitmq.client import Management
+from ferry.lab.scenarios import dr_federation
 from ferry.topology import load_topology
 from tests import helpers
 from tests.helpers import acked_ids, make_queues, make_stream, queue_messages
@@ -146,6 +147,54 @@ def test_bad_tls_settings_get_one_line_and_change_nothing(
             return await m.get("/queues/%2F/tls-bad-copy", ok404=True)
 
     assert asyncio.run(absent()) is None
+
+
+async def _upstream(topo: Any, cluster: str) -> Any:
+    async with Management(topo.rabbitmq(cluster), name=cluster) as m:
+        return await m.get("/parameters/federation-upstream/%2F/art")
+
+
+@pytest.mark.spark
+@pytest.mark.connect
+@pytest.mark.parametrize("engine", ["shovel", "spark"])
+def test_a_failback_over_tls_brings_every_orphan_home_once(
+    secure_rabbit_dr: lab.LabState, tmp_path: Path, engine: str
+) -> None:
+    """Federation links and the fail-back's shovels dial TLS-only brokers with the files of each
+    cluster's ``outbound_tls``; the upstreams come back byte-identical, TLS parameters included."""
+    topology = secure_rabbit_dr.path / "topology.yaml"
+    topo = load_topology(topology)
+    queues = [f"tls{engine}-{i}" for i in range(2)]  # classic, quorum
+    asyncio.run(dr_federation(topo, ["/"], queues, plain=0, prefix=f"tls{engine}-", upstream_messages=20))
+    upstream = asyncio.run(_upstream(topo, "ltm"))
+    uri = upstream["value"]["uri"]
+    assert uri.startswith("amqps://") and "verify=verify_peer" in uri and "cacertfile=/" in uri and "keyfile=/" in uri
+    sent = {}
+    for queue in queues:
+        sent[queue] = load(topology, "ltm", queue, tmp_path / queue, 600)
+
+    if engine == "shovel":  # without outbound_tls the shovels could not verify pc1: refused, nothing changed
+        doc = yaml.safe_load(topology.read_text())
+        del doc["sites"]["ltm"]["clusters"]["ltm"]["outbound_tls"]
+        bare = tmp_path / "topology.yaml"
+        bare.write_text(yaml.safe_dump(doc))
+        r = ferry("failback", "--from", "ltm", "--to", "pc1", topology=bare)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "give cluster 'ltm' an outbound_tls block" in r.stderr, r.stderr
+        assert asyncio.run(_upstream(topo, "ltm")) == upstream
+        assert all(sorted(held_ids(topology, "ltm", q)) == sorted(sent[q]) for q in queues)
+
+    r = ferry("failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--json", topology=topology)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
+    assert report["upstream_pulled"] == 0 and all(u["identical"] for u in report["upstreams_restored"]), report
+    assert [(u["before"], u["after"]) for u in report["upstream_queues"]] == [(20, 20)] * 2, report
+    assert asyncio.run(_upstream(topo, "ltm"))["value"] == upstream["value"]  # TLS parameters and all
+    for queue in queues:
+        home = held_ids(topology, "pc1", queue)
+        assert len(home) == len(set(home)) == 600 and set(home) == sent[queue], queue
+        assert held_ids(topology, "ltm", queue) == []
 
 
 def test_no_secret_reaches_any_output(secure_rabbit_dr: lab.LabState) -> None:

@@ -27,7 +27,7 @@ from pamqp import constants as _pamqp_constants
 
 from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe, tls_cause, tls_session
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, NotFound, redact
-from ferry.topology import RabbitBroker, RabbitCluster
+from ferry.topology import RabbitBroker, RabbitCluster, Topology
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
 
@@ -126,20 +126,30 @@ class Management:
         return await self.request("DELETE", path, ok404=ok404, timeout=timeout)
 
 
-def amqp_uri(cluster: RabbitCluster, vhost: str) -> str:
-    """The URI of `cluster`'s first broker with its credentials and `vhost`, for a broker to connect
-    to another (a shovel's destination, a federation upstream). It carries the password: never print it."""
-    parts = urlsplit(cluster.brokers[0].url)
-    if parts.scheme == "amqps":  # without cacertfile/verify RabbitMQ would dial it unverified: refuse
-        raise ConfigError(
-            f"{cluster.brokers[0].name}: shovels and federation links to an amqps:// broker are not supported yet "
-            "(their TLS parameters are not written); use --engine spark for a fail-back"
-        )
+def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
+    """The URI by which a node of cluster `dialer` reaches cluster `target`'s first broker in
+    `vhost` (a shovel's destination, a federation upstream), with ferry's credentials there. To an
+    ``amqps://`` broker it carries the TLS files of the dialer's ``outbound_tls`` (paths on the
+    dialer's nodes) and ``verify=verify_peer``. It carries the password: never print it."""
+    cluster, parts = topo.rabbitmq(target), urlsplit(topo.rabbitmq(target).brokers[0].url)
+    query = ""
+    if parts.scheme == "amqps":  # without cacertfile and verify_peer RabbitMQ would dial it unverified: refuse
+        tls = topo.rabbitmq(dialer).outbound_tls
+        if tls is None:
+            raise ConfigError(
+                f"{dialer}: its shovels and federation links to {target}'s amqps:// broker need the CA file on "
+                f"{dialer}'s nodes: give cluster {dialer!r} an outbound_tls block (ca_file, and cert_file + "
+                f"key_file if {target} asks for a client certificate)"
+            )
+        files = {"cacertfile": tls.ca_file, "certfile": tls.cert_file, "keyfile": tls.key_file}
+        # the node checks the certificate against the URI's host (an IP address against the
+        # certificate's IP names; a server_name_indication would be matched as a DNS name)
+        query = "?" + "&".join([f"{k}={quote(v, safe='/')}" for k, v in files.items() if v] + ["verify=verify_peer"])
     creds = cluster.credentials
     user = quote(creds.user if creds else "guest", safe="")
     password = quote((creds.password() if creds else None) or "guest", safe="")
     host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
-    return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}"
+    return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}{query}"
 
 
 async def amqp_connect(

@@ -101,7 +101,7 @@ def shovel_definition(topo: Topology, req: FailbackRequest, x: dict[str, Any]) -
         "src-delete-after": "queue-length",
         "src-prefetch-count": PREFETCH,
         "dest-protocol": "amqp091",
-        "dest-uri": amqp_uri(topo.rabbitmq(req.target), x["vhost"]),
+        "dest-uri": amqp_uri(topo, req.target, x["vhost"], dialer=req.source),
         "dest-queue": x["target"],
         "ack-mode": "on-confirm",
     }

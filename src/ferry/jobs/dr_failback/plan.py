@@ -9,14 +9,15 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 
-from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, effective_policy, q, queue_path
+from ferry.brokers.rabbitmq import FEDERATION_KEYS, Management, amqp_connect, effective_policy, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import ConfigError, Conflict, NotFound, UsageError, redact
 from ferry.jobs.shared.states import Machine
-from ferry.topology import RabbitCluster
+from ferry.topology import RabbitCluster, Topology
 
 JOURNAL = "ferry-failback"  # global parameter on the source broker
 FailbackPhase = Literal["disabling", "transferring", "restoring"]
@@ -114,7 +115,25 @@ def _uris(value: dict[str, Any]) -> list[str]:
     return [uri] if isinstance(uri, str) else list(uri or [])
 
 
-async def upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _dial(topo: Topology, uri: str) -> aio_pika.abc.AbstractConnection:
+    """A connection to an upstream URI's broker: as ferry's user of the topology's cluster that has
+    a broker at its host and port (with that cluster's TLS: the URI's TLS files are on the broker
+    hosts), else with the URI itself (plain ``amqp://`` only)."""
+    parts = urlsplit(uri)
+    vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+    for _, _, cluster in topo.clusters():
+        for broker in cluster.brokers if isinstance(cluster, RabbitCluster) else []:
+            at = urlsplit(broker.url)
+            if (at.hostname, at.port) == (parts.hostname, parts.port):
+                return await amqp_connect(cluster, broker, vhost=vhost)
+    if parts.scheme != "amqp":
+        raise ConfigError("an amqps:// upstream whose broker is not in the topology")
+    return await aio_pika.connect(uri, timeout=5)
+
+
+async def upstream_counts(
+    topo: Topology, upstreams: list[dict[str, Any]], queues: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Ready messages in each upstream queue the federated queues pull from (None when unreachable)."""
     by_key = {(u["vhost"], u["name"]): u for u in upstreams}
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -132,7 +151,7 @@ async def upstream_counts(upstreams: list[dict[str, Any]], queues: list[dict[str
             for uri in _uris(by_key[(vhost, name)]["value"]):
                 try:
                     if uri not in conns:
-                        conns[uri] = await aio_pika.connect(uri, timeout=5)
+                        conns[uri] = await _dial(topo, uri)
                     ch = await conns[uri].channel()
                     declared = await ch.declare_queue(queue, passive=True)
                     row["messages"], row["error"] = int(declared.declaration_result.message_count), None

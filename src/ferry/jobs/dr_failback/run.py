@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ferry.brokers.rabbitmq import Management, q, queue_path
+from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import Conflict, FerryError, NotFound, OperationFailed, UsageError
 from ferry.jobs.dr_failback.engines import delete_shovels, run_shovels, spark_move, started
@@ -49,6 +49,8 @@ async def failback(
     if req.max_active < 1:
         raise UsageError("--max-active must be at least 1")
     src_c, dst_c = topo.rabbitmq(req.source), topo.rabbitmq(req.target)
+    if req.engine == "shovel" and not req.abort:
+        amqp_uri(topo, req.target, "/", dialer=req.source)  # refused here, before anything changes
     async with Management(src_c, name=req.source) as sm, Management(dst_c, name=req.target) as dm:
         await preflight(sm, dm, req)
         vhosts = sorted(v["name"] for v in await sm.get("/vhosts"))
@@ -72,7 +74,7 @@ async def failback(
                 if not plan["queues"]:
                     return {"outcome": "nothing to do", "plan": public(plan)}
                 journal = {**plan, "phase": FAILBACK.step(None, "disabling"), "host": socket.gethostname()}
-                journal["upstream_queues"] = await upstream_counts(journal["upstreams"], journal["queues"])
+                journal["upstream_queues"] = await upstream_counts(topo, journal["upstreams"], journal["queues"])
                 await write_journal(sm, journal)  # before any upstream is deleted
                 # from here on, an interrupted run is on record
                 emit("journal", id=journal["id"], upstreams=len(journal["upstreams"]))
@@ -86,7 +88,7 @@ async def failback(
                     upstreams=len(journal["upstreams"]),
                 )
             if req.abort:
-                return await _finish(sm, src_c, dst_c, journal, req, emit, aborted=True)
+                return await _finish(topo, sm, src_c, dst_c, journal, req, emit, aborted=True)
             if req.engine == "spark" and journal["phase"] in ("disabling", "transferring"):
                 spark = started(
                     spark or factory(app_name=f"ferry failback {req.source} to {req.target}", data_sources=False)
@@ -100,7 +102,7 @@ async def failback(
                 await _transfer(topo, sm, src_c, journal, req, emit, spark)
                 journal["phase"] = FAILBACK.step(journal["phase"], "restoring")
                 await write_journal(sm, journal)
-            return await _finish(sm, src_c, dst_c, journal, req, emit)
+            return await _finish(topo, sm, src_c, dst_c, journal, req, emit)
 
 
 async def status(topo: Topology, req: FailbackRequest) -> dict[str, Any]:
@@ -237,6 +239,7 @@ async def _watch(cluster: RabbitCluster, name: str, journal: dict[str, Any], pro
 
 
 async def _finish(
+    topo: Topology,
     sm: Management,
     src_c: RabbitCluster,
     dst_c: RabbitCluster,
@@ -279,7 +282,7 @@ async def _finish(
         )
     for vhost in sorted({u["vhost"] for u in journal["upstreams"]}):  # what a run killed mid-nudge left
         await sm.delete(f"/parameters/federation-upstream-set/{q(vhost)}/{q(reset_set(journal))}", timeout=DELETE_WAIT)
-    upstream_after = await upstream_counts(journal["upstreams"], journal["queues"])
+    upstream_after = await upstream_counts(topo, journal["upstreams"], journal["queues"])
     restored = []
     for u in journal["upstreams"]:
         path = f"/parameters/federation-upstream/{q(u['vhost'])}/{q(u['name'])}"
