@@ -117,8 +117,16 @@ def secure_rabbit_dr(lab_dir: Path) -> Iterator[lab.LabState]:
     yield from _profile("secure_rabbit_dr", "rabbit-dr", root, secure=True)
 
 
+@pytest.fixture(scope="module")
+def secure_sites(lab_dir: Path) -> Iterator[lab.LabState]:
+    """The sites profile (nyc, sfo) in operator mode with TLS, in the secure lab root; per module."""
+    root = lab_dir / "secure"
+    root.mkdir(mode=0o755, exist_ok=True)
+    yield from _profile("secure_sites", "sites", root, secure=True)
+
+
 LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
-LAB_FIXTURES |= {"secure_rabbit_dr"}
+LAB_FIXTURES |= {"secure_rabbit_dr", "secure_sites"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -38,7 +38,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ferry.errors import ConfigError, NotFound
 
@@ -379,6 +379,21 @@ def _valid_name(name: str) -> bool:
 class Topology(_Model):
     version: Literal[1] = 1
     sites: dict[str, Site]
+    _account: str | None = PrivateAttr(None)
+
+    @property
+    def account(self) -> str | None:
+        """The NATS account this view's `nats()` answers in by default (None: each cluster's
+        ``credentials``); see :meth:`in_account`."""
+        return self._account
+
+    def in_account(self, account: str | None) -> Topology:
+        """This topology as ferry's user in NATS `account` sees it: `nats(name)` gives every NATS
+        cluster with that account's credentials (one line naming the cluster that lacks it), so a
+        job run on the view works in that account throughout, its journal included."""
+        view = self.model_copy()
+        view._account = account
+        return view
 
     def duplicates(self) -> list[tuple[tuple[Any, ...], str]]:
         """(location, message) of every cluster or broker name used twice across sites."""
@@ -426,11 +441,12 @@ class Topology(_Model):
         raise NotFound(f"unknown cluster {name!r} (known: {known})", cluster=name)
 
     def nats(self, name: str, account: str | None = None) -> NatsCluster:
-        """NATS cluster `name`, as ferry's user in `account` (None: the default account)."""
+        """NATS cluster `name`, as ferry's user in `account` (None: this view's account, else the
+        default account)."""
         cluster = self.cluster(name)
         if not isinstance(cluster, NatsCluster):
             raise ConfigError(f"cluster {name!r} is {cluster.kind}, not nats")
-        return cluster.in_account(account, name)
+        return cluster.in_account(account or self._account, name)
 
     def rabbitmq(self, name: str) -> RabbitCluster:
         cluster = self.cluster(name)

@@ -277,3 +277,8 @@ def test_a_cluster_seen_from_another_account_has_that_accounts_credentials(tmp_p
     )
     assert parse_uri("jetstream://east/ORDERS?account=SALES").account == "SALES"
     assert parse_uri("jetstream://east/ORDERS").account is None
+    view = topo.in_account("SALES")  # what a job run with --account SALES sees everywhere
+    assert view.account == "SALES" and topo.account is None
+    assert view.nats("east").credentials == sales.credentials and view.nats("east", "SALES") == sales
+    with pytest.raises(ConfigError, match=r"^cluster 'east' has no account 'NOPE'"):
+        topo.in_account("NOPE").nats("east")

@@ -9,7 +9,17 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ferry.cli.options import PLAIN, JsonOpt, MetricsPortOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import (
+    PLAIN,
+    AccountOpt,
+    JsonOpt,
+    MetricsPortOpt,
+    SparkMaster,
+    SparkRemote,
+    TopologyOpt,
+    open_topology,
+    run,
+)
 from ferry.cli.render import err, json_event, out, per_stream, plain_event, print_json, utc_time
 
 # -- replicate / site ---------------------------------------------------------------------------
@@ -32,17 +42,20 @@ def replicate_start(
     subject_prefix: Annotated[str, typer.Option(help="Prefix added to subjects at the destination.")] = "",
     stream_name: Annotated[str, typer.Option(help="Destination stream name; {stream} is the source's.")] = "{stream}",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be relayed; change nothing.")] = False,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Define a replication (kept at the destination) and create missing destination streams.
 
     Relays are the `ferry replicate run` processes: run one or more (one relays, the others stand by).
+    With --account, the replication of that account's streams, kept in that account (give the same
+    --account to `run`, `stop` and `status`).
     """
     from ferry.jobs import replicate as rp
 
     rep = rp.Replication(source, to, streams, subject_prefix, stream_name)
-    result = run(rp.start(open_topology(topology), rep, dry_run=dry_run))
+    result = run(rp.start(open_topology(topology).in_account(account), rep, dry_run=dry_run))
     if as_json:
         print_json(result)
         return
@@ -55,7 +68,7 @@ def replicate_start(
     if result.get("created"):
         out.print(f"created at {to}: {', '.join(result['created'])}")
     if not dry_run:
-        out.print(f"run relays with: ferry replicate run --from {source} --to {to}")
+        out.print(f"run relays with: ferry replicate run --from {source} --to {to}{rp.account_flag(account)}")
 
 
 @replicate_app.command("run")
@@ -66,6 +79,7 @@ def replicate_run(
     metrics_port: MetricsPortOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -73,7 +87,7 @@ def replicate_run(
     from ferry.jobs import replicate as rp
     from ferry.spark.session import factory
 
-    topo = open_topology(topology)
+    topo = open_topology(topology).in_account(account)
     metrics = rp.Metrics(metrics_port) if metrics_port else None
 
     spark = factory(spark_master, spark_remote, app_name=f"ferry relay {source} to {to}")
@@ -89,13 +103,14 @@ def replicate_stop(
     source: FromOpt,
     to: ToOpt,
     wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for the relay's stop marker.")] = 30.0,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Stop a replication gracefully: the relay writes a stop marker, so its successor needs no replay check."""
     from ferry.jobs import replicate as rp
 
-    state = run(rp.stop(open_topology(topology), source, to, wait=wait))
+    state = run(rp.stop(open_topology(topology).in_account(account), source, to, wait=wait))
     if as_json:
         print_json(state)
         return
@@ -105,11 +120,11 @@ def replicate_stop(
 
 
 @replicate_app.command("status")
-def replicate_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
-    """Every replication: state, relay leader, per stream last relayed sequence, lag and rate."""
+def replicate_status(account: AccountOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+    """Every replication (of the account): state, relay leader, per stream last relayed sequence, lag and rate."""
     from ferry.jobs import replicate as rp
 
-    rows = run(rp.status(open_topology(topology)))
+    rows = run(rp.status(open_topology(topology).in_account(account)))
     if as_json:
         print_json(rows)
         return

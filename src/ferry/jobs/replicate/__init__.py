@@ -25,12 +25,27 @@ The design is JGroups' RELAY on JetStream:
   (``ferry site failback --to nyc``) reconciles both sides by origin sequence (Spark
   anti-joins): what nyc acked but never relayed before it failed (the RPO) goes to sfo, what
   was written at sfo meanwhile goes to nyc, each exactly once; then nyc -> sfo is defined again.
+- **Accounts**: every function here works on the topology it is given; on
+  ``topo.in_account("SALES")`` (``--account SALES``) a replication relays that account's
+  streams and keeps its definition, lease and progress in that account's ``ferry_ops`` at the
+  destination, beside (and apart from) the default account's.
 """
 
 from ferry.jobs.replicate.control import start, status, stop
-from ferry.jobs.replicate.plan import Replication
+from ferry.jobs.replicate.plan import Replication, account_flag
 from ferry.jobs.replicate.relay import Metrics, Relay
 from ferry.jobs.replicate.site import failback, failover
 from ferry.jobs.replicate.site import status as site_status
 
-__all__ = ["Metrics", "Relay", "Replication", "failback", "failover", "site_status", "start", "status", "stop"]
+__all__ = [
+    "Metrics",
+    "Relay",
+    "Replication",
+    "account_flag",
+    "failback",
+    "failover",
+    "site_status",
+    "start",
+    "status",
+    "stop",
+]

@@ -63,13 +63,19 @@ class Replication:
     def from_state(cls, state: dict[str, Any]) -> Replication:
         return cls(**{k: state[k] for k in ("source", "dest", "streams", "subject_prefix", "stream_name")})
 
-    def start_command(self) -> str:
-        """The ``ferry replicate start`` that defines this replication (its options other than the defaults)."""
+    def start_command(self, account: str | None = None) -> str:
+        """The ``ferry replicate start`` that defines this replication (its options other than the
+        defaults; `account`: the NATS account it is kept in)."""
         words = ["ferry", "replicate", "start", "--from", self.source, "--to", self.dest]
         for f in fields(self)[2:]:  # streams, subject_prefix, stream_name: options of the same names
             if getattr(self, f.name) != f.default:
                 words += ["--" + f.name.replace("_", "-"), getattr(self, f.name)]
-        return shlex.join(words)
+        return shlex.join(words) + account_flag(account)
+
+
+def account_flag(account: str | None) -> str:
+    """The ``--account`` a hint's command needs (a replication of another account than the default)."""
+    return f" --account {shlex.quote(account)}" if account else ""
 
 
 def site_cluster(topo: Topology, site: str) -> NatsCluster:

@@ -214,7 +214,10 @@ class Relay:
         async with site_journal(self.topo, self.dest, key, stale_after=max(1.0, self.lease - 1.0)) as j:
             state = await j.open()
             if state is None:
-                raise NotFound(f"no replication {self.source} -> {self.dest}; define it with `ferry replicate start`")
+                where = f" in account {self.topo.account}" if self.topo.account else ""
+                raise NotFound(
+                    f"no replication {self.source} -> {self.dest}{where}; define it with `ferry replicate start`"
+                )
             if state.get("desired") != "running":  # stopped before this relay began: nothing to stand by for
                 self.emit("stopped", state=state.get("state"), hint=await self._restart_hint(state))
                 return state
@@ -274,7 +277,7 @@ class Relay:
                 back = f"ferry site failback --to {self.source}"
                 return f"{self.dest} took over from {self.source}: `{back}` once {self.source} is back"
         rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
-        return f"`{rep.start_command()}` starts it again"
+        return f"`{rep.start_command(self.topo.account)}` starts it again"
 
     async def _active(self, lease: Lease) -> str:
         """Relay until stopped ("stopped") or the lease is lost ("lost")."""
