@@ -99,11 +99,11 @@ def rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
 
 @pytest.fixture(scope="session")
 def secure_supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
-    """The supercluster in operator mode with TLS everywhere (a lab root of its own: it runs beside
-    the plain one)."""
+    """The supercluster in operator mode with TLS everywhere, behind HAProxy and `ferry serve` (a
+    lab root of its own: it runs beside the plain one)."""
     root = lab_dir / "secure"
     root.mkdir(mode=0o755, exist_ok=True)
-    yield from _profile("secure_supercluster", "supercluster", root, secure=True)
+    yield from _profile("secure_supercluster", "supercluster", root, haproxy=True, secure=True)
 
 
 @pytest.fixture(scope="module")

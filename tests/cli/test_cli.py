@@ -138,6 +138,24 @@ def test_haproxy_config_for_a_topology_cluster(tmp_path, monkeypatch: pytest.Mon
     assert "http-check connect addr ferry port 9000" in cfg and "secret-" not in cfg
     result = CliRunner().invoke(app, ["lab", "haproxy-config", "ltm", "--topology", str(topo)])
     assert result.exit_code == 0 and "server ltm-1 127.0.0.1:5672" in result.output, result.output
+    assert "http-check connect ssl" not in cfg + result.output  # plain health ports: plain checks
+    tls = "        tls: {ca_file: /etc/ca.pem, cert_file: /etc/c.pem, key_file: /etc/k.pem, server_name: nats-a}\n"
+    topo.write_text(
+        VALID.replace("    kind: nats\n", "    kind: nats\n" + tls).replace(
+            "http://127.0.0.1:8222", "https://127.0.0.1:8222"
+        )
+    )
+    result = CliRunner().invoke(
+        app, ["lab", "haproxy-config", "east", "--serve", "ferry:9000", "--topology", str(topo)]
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        "  http-check connect ssl\n" in result.output and "http-check connect addr ferry port 9000\n" in result.output
+    )
+    assert (
+        "server east-1 127.0.0.1:4222 check addr 127.0.0.1 port 8222 verify required ca-file /etc/ca.pem "
+        "crt /etc/c.pem verifyhost nats-a"
+    ) in result.output
 
 
 @pytest.mark.parametrize(

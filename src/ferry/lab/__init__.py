@@ -117,8 +117,6 @@ def up(
     AMQP and management listeners."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
-    if secure and haproxy:
-        raise ConfigError("--secure does not take --haproxy yet")
     root = root or lab_root()
     state = load_state(profile, root)
     if state and haproxy and not state.lb:
@@ -226,8 +224,12 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
     for i, (name, cluster) in enumerate(clusters):
         port, mqtt_port = lb_ports[2 * i : 2 * i + 2]
         scheme = "nats" if cluster.kind == "nats" else "amqp"
-        frontends += lab_haproxy.frontends(name, cluster, f"127.0.0.1:{port}", f"127.0.0.1:{mqtt_port}")
-        lb[name] = {scheme: f"{scheme}://127.0.0.1:{port}", "mqtt": f"mqtt://127.0.0.1:{mqtt_port}"}
+        fronts = lab_haproxy.frontends(name, cluster, f"127.0.0.1:{port}", f"127.0.0.1:{mqtt_port}")
+        frontends += fronts
+        url = {"nats": "tls", "amqp": "amqps"}[scheme] if state.secure else scheme  # TLS passes through
+        lb[name] = {scheme: f"{url}://127.0.0.1:{port}"}
+        if len(fronts) > 1:  # the cluster's brokers have MQTT (not on a secure lab)
+            lb[name]["mqtt"] = f"mqtt://127.0.0.1:{mqtt_port}"
     d = pdir / "haproxy"
     d.mkdir()
     cfg = d / "haproxy.cfg"

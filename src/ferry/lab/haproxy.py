@@ -7,6 +7,11 @@ management port, which a node in maintenance mode stops answering) and ferry's
 or a rebalance donor. Server names must be the topology's node names.
 ``balance leastconn`` sends reconnecting clients to the emptiest node, and the
 long client/server timeouts keep idle NATS and MQTT connections open.
+
+A cluster with a ``tls`` block is checked over TLS (its monitoring or management port is
+HTTPS there): verified against its ``ca_file``, showing its client certificate when it has one.
+HAProxy reads the client key from the certificate file itself or from ``<cert_file>.key``.
+Clients' TLS passes through (``mode tcp``): they verify the node they land on.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Frontend:
     bind: str  # host:port
     servers: list[tuple[str, str, int]]  # node name, client host:port, health-check port
     check_uri: str = "/healthz"
+    check_tls: str = ""  # the server options of a check over TLS ("" for plain HTTP)
 
 
 def haproxy_binary() -> str:
@@ -58,18 +64,33 @@ def frontends(
         def check_port(b: Any) -> int:
             return urlsplit(b.management_url).port or 15672
 
+    tls = _check_tls(cluster)
     out = [
         Frontend(
             f"{kind}_{name}",
             client_bind,
             [(b.name, _hostport(b.url), check_port(b)) for b in cluster.brokers],
             check_uri,
+            tls,
         )
     ]
     mqtt = [(b.name, _hostport(b.mqtt_url), check_port(b)) for b in cluster.brokers if b.mqtt_url]
     if mqtt_bind and mqtt:
-        out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt, check_uri))
+        out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt, check_uri, tls))
     return out
+
+
+def _check_tls(cluster: NatsCluster | RabbitCluster) -> str:
+    """The server options that verify a node's HTTPS health port (and show the client certificate)."""
+    if cluster.tls is None:
+        return ""
+    tls = cluster.tls
+    opts = ["verify required", f"ca-file {tls.ca_file}" if tls.ca_file else "ca-file @system-ca"]
+    if tls.cert_file:
+        opts.append(f"crt {tls.cert_file}")
+    if isinstance(cluster, NatsCluster) and tls.server_name:
+        opts.append(f"verifyhost {tls.server_name}")
+    return " ".join(opts)
 
 
 def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None) -> str:
@@ -96,7 +117,7 @@ def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None)
             "  balance leastconn",
             "  option httpchk",
             "  # 1. the node itself is healthy",
-            "  http-check connect",
+            "  http-check connect ssl" if f.check_tls else "  http-check connect",
             f"  http-check send meth GET uri {f.check_uri}",
             "  http-check expect status 200",
             "  # 2. ferry says it may take new clients (503 while evacuated or a rebalance donor)",
@@ -106,6 +127,7 @@ def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None)
         ]
         for node, addr, monitor in f.servers:
             host = addr.rsplit(":", 1)[0]
-            lines.append(f"  server {node} {addr} check addr {host} port {monitor}")
+            tls = f" {f.check_tls}" if f.check_tls else ""
+            lines.append(f"  server {node} {addr} check addr {host} port {monitor}{tls}")
         lines.append("")
     return "\n".join(lines)

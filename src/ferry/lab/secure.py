@@ -85,6 +85,10 @@ def make(pdir: Path) -> Secure:
         cert.private_key_pem.write_to_path(str(tls_dir / f"{who}-key.pem"))
         cert.cert_chain_pems[0].write_to_path(str(tls_dir / f"{who}-cert.pem"))
         (tls_dir / f"{who}-key.pem").chmod(0o600)
+    # HAProxy's health checks read the client key beside its certificate (`<crt>.key`)
+    key = tls_dir / "client-cert.pem.key"
+    key.write_bytes((tls_dir / "client-key.pem").read_bytes())
+    key.chmod(0o600)
 
     pair = create_operator_pair()
     operator = Operator(claims=OperatorClaims(pair.public_key.decode(), "ferry-lab"), seed=pair.seed)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import csv
 import datetime
 import functools
+import io
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nkeys
 import pytest
 import trustme
@@ -33,6 +36,7 @@ from tests.helpers import acked_ids, finish, judge, make_stream, read_stream, st
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
+NODES = ("east-1", "east-2", "east-3")
 
 
 ferry = functools.partial(helpers.ferry, record=OUTPUTS)
@@ -408,9 +412,40 @@ def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(t
 # -- last: no secret anywhere ---------------------------------------------------------------------
 
 
+def _haproxy(state: lab.LabState) -> dict[str, dict[str, str]]:
+    """HAProxy's own view of nats_east's servers: status and current client sessions."""
+    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
+    rows = csv.DictReader(io.StringIO(text))
+    return {r["svname"]: r for r in rows if r["pxname"] == "nats_east" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
+def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab.LabState, tmp_path: Path) -> None:
+    """HAProxy passes the clients' TLS through and checks each node's HTTPS monitoring port with the
+    lab's CA and client certificate (plaintext is closed: a check that did not speak TLS fails),
+    then ferry serve's availability; the evacuation's clients reconnect through it, none lost."""
+    topology = secure.path / "topology.yaml"
+    asyncio.run(make_stream(load_topology(topology), "east", "EVS", ["evs.>"], placement="east"))
+    assert {n: r["check_status"] for n, r in _haproxy(secure).items()} == dict.fromkeys(NODES, "L7OK")
+    load = start_load(topology, "jetstream://east", "evs.{n}", tmp_path / "ledger", 12, "--producers", "30",
+                      "--url", secure.lb["clusters"]["east"]["nats"])  # fmt: skip
+    helpers.wait_for(lambda: int(_haproxy(secure)["east-1"]["scur"]) >= 5, 30, "clients on east-1 through HAProxy")
+    args = ["node", "evacuate", "east-1", "--wait-health-check", "3", "--conn-evict-rate", "50"]
+    r = ferry(*args, "--wait-takeover", "1", "--json", topology=topology)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
+    assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
+    finish(load)
+    held, acked = held_ids(topology, "east", "EVS"), acked_ids(tmp_path / "ledger")
+    assert len(held) == len(set(held)) and set(held) == acked and len(acked) > 2000, (len(held), len(acked))
+    ferry("node", "stop", "east-1", topology=topology, check=True)
+    helpers.wait_for(lambda: _haproxy(secure)["east-1"]["status"] == "UP", 15, "HAProxy to take east-1 back")
+
+
 def test_no_secret_reaches_any_output_or_the_journal(secure: lab.LabState, plain_auth: dict[str, Any]) -> None:
     """The users' JWTs and seeds, the client's private key, the token: in none of this module's
-    outputs, nor in any key-value bucket (the journal) of the secure lab's account."""
+    outputs, nor in any key-value bucket (the journal) of the secure lab's account, nor in the
+    logs of its `ferry serve` and HAProxy."""
     secrets = list(plain_auth["secrets"])
     for creds in (secure.path / "secrets").glob("*.creds"):
         secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
@@ -430,6 +465,7 @@ def test_no_secret_reaches_any_output_or_the_journal(secure: lab.LabState, plain
 
     kept = asyncio.run(journal())
     assert kept, "the move kept no journal record"
-    for text in OUTPUTS + kept:
+    logs = [Path(secure.proc(name).log).read_text(errors="replace") for name in ("ferry-serve", "haproxy")]
+    for text in OUTPUTS + kept + logs:
         leaked = [i for i, s in enumerate(secrets) if s in text]
         assert not leaked, f"secrets number {leaked} in: {' '.join(text.split())[:300]}"
