@@ -1,6 +1,7 @@
 """ferry on secured NATS: the secure lab (operator mode, .creds files, TLS on every port, client
-certificates required) and single servers taking an nkey user and a token. Every message is
-counted by id; bad settings get one line and change nothing; no secret reaches any output."""
+certificates required; behind HAProxy) and single servers taking an nkey user and a token. Moves,
+an evacuation, a repartition and copies, every message counted by id; bad settings get one line
+and change nothing; no secret reaches any output."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import nkeys
+import pyarrow.parquet as pq
 import pytest
 import trustme
 import yaml
@@ -410,6 +412,42 @@ def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(t
 
 
 # -- last: no secret anywhere ---------------------------------------------------------------------
+
+
+@pytest.mark.spark
+@pytest.mark.connect
+def test_a_repartition_under_load_on_the_secure_lab_moves_each_message_once(
+    secure: lab.LabState, tmp_path: Path
+) -> None:
+    """partition apply --execute: claims in the account's KV, the capture guard and the history's
+    copy (Spark) over TLS with .creds; every acked id ends in its new owner once, none in the old."""
+    topology = secure.path / "topology.yaml"
+
+    def write_map(name: str, partitions: list[tuple[str, list[str]]]) -> str:
+        doc = {
+            "name": "secp",
+            "partitions": [{"name": s.lower(), "stream": s, "cluster": "east", "patterns": p} for s, p in partitions],
+        }
+        (tmp_path / name).write_text(yaml.safe_dump(doc))
+        return str(tmp_path / name)
+
+    ferry(
+        "partition", "apply", write_map("v1.yaml", [("SECP", ["secp.a.>", "secp.b.>"])]), topology=topology, check=True
+    )
+    loads = {k: start_load(topology, "jetstream://east", f"secp.{k}.{{n}}", tmp_path / k, 8) for k in "ab"}
+    time.sleep(3)
+    v2 = write_map("v2.yaml", [("SECP", ["secp.a.>"]), ("SECP_B", ["secp.b.>"])])
+    r = ferry("partition", "apply", v2, "--execute", "--json", topology=topology, timeout=240)
+    for load in loads.values():
+        finish(load)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["purged"] == result["copied"] > 1000, result
+    sent = {k: set(pq.read_table(tmp_path / k, columns=["id"]).column("id").to_pylist()) for k in "ab"}
+    for stream, k, other in (("SECP", "a", "b"), ("SECP_B", "b", "a")):
+        held, acked = held_ids(topology, "east", stream), acked_ids(tmp_path / k)
+        assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 1000, (stream, len(held), len(acked))
+        assert not set(held) & sent[other], f"{stream} holds messages of secp.{other}.>"
 
 
 def _haproxy(state: lab.LabState) -> dict[str, dict[str, str]]:
