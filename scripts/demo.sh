@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The demo: a real super-cluster on 127.0.0.1; a stream moved from east to west under core and
 # JetStream load, then the audit that proves nothing was lost or duplicated.
+# FERRY_DEMO_SECURE=1: the same on a secured super-cluster (operator mode, .creds files, TLS with
+# client certificates on every port, HAProxy checking the nodes over TLS).
 set -euo pipefail
 export FERRY_LAB_DIR="${FERRY_LAB_DIR:-$PWD/.ferry-lab}"
 OUT="${FERRY_DEMO_OUT:-$PWD/demo-out}"
@@ -10,7 +12,9 @@ export FERRY_STATE_DIR="$OUT/state"
 step() { printf '\n\033[1m$ %s\033[0m\n' "$*" >&2; "$@"; }
 step_to() { local file=$1; shift; printf '\n\033[1m$ %s > %s\033[0m\n' "$*" "$file" >&2; "$@" > "$file"; }
 
-step ferry lab up supercluster --haproxy   # with ferry serve (the console) and Prometheus
+SECURE=()
+if [ "${FERRY_DEMO_SECURE:-0}" = 1 ]; then SECURE=(--secure); fi
+step ferry lab up supercluster --haproxy "${SECURE[@]}"   # with ferry serve (the console) and Prometheus
 trap 'step ferry lab down' EXIT
 step ferry topology check "$FERRY_LAB_DIR/topology.yaml"
 step ferry stream add ORDERS --cluster east --placement east --subject 'orders.>' --replicas 3
