@@ -331,16 +331,29 @@ class RabbitCluster(_Model):
     """A RabbitMQ cluster. ``tls`` verifies its ``amqps://`` and ``https://`` endpoints against a
     private CA and shows a client certificate (the servers are verified against the host of each
     URL: ``server_name`` is for NATS clusters). ``outbound_tls``: what its own nodes use when a
-    shovel or federation link of theirs dials an ``amqps://`` broker."""
+    shovel or federation link of theirs dials an ``amqps://`` broker. ``x509_login``: AMQP logins
+    to this cluster (ferry's, and the shovels' and federation links' ferry writes) show the client
+    certificate instead of a password (SASL EXTERNAL: the brokers run
+    ``rabbitmq_auth_mechanism_ssl`` and name the user after the certificate); the management API
+    still takes ``credentials``."""
 
     kind: Literal["rabbitmq"]
     brokers: list[RabbitBroker]
     credentials: Credentials | None = None
     tls: Tls | None = None
     outbound_tls: OutboundTls | None = None
+    x509_login: bool = False
     erlang: ErlangAccess | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
+
+    @model_validator(mode="after")
+    def _x509(self) -> RabbitCluster:
+        if self.x509_login and not (self.tls and self.tls.cert_file):
+            raise ValueError("x509_login needs a client certificate: tls.cert_file and tls.key_file")
+        if self.x509_login and not all(b.url.startswith("amqps://") for b in self.brokers):
+            raise ValueError("x509_login needs amqps:// broker URLs")
+        return self
 
     @field_validator("tls")
     @classmethod

@@ -213,6 +213,23 @@ def test_a_shovel_uri_to_a_tls_broker_carries_the_dialling_nodes_files(monkeypat
         ConfigError, match=r"^dr: its shovels .* to main's amqps:// .* give cluster 'dr' an outbound_tls"
     ):
         amqp_uri(bare, "main", "/", dialer="dr")
+    x509 = {"x509_login": True, "tls": {"ca_file": "/dev/null", "cert_file": "/c.pem", "key_file": "/k.pem"}}
+    topo = _rabbit_sites(
+        main=_rabbit("amqps://main.example:5671", **x509), dr=_rabbit("amqp://dr:5672", outbound_tls=files)
+    )
+    assert amqp_uri(topo, "main", "/", dialer="dr") == (  # the dialling node's certificate logs in: no password
+        "amqps://main.example:5671/%2F?cacertfile=/etc/rabbitmq/ca.pem&certfile=/etc/rabbitmq/my%20cert.pem"
+        "&keyfile=/k.pem&verify=verify_peer&auth_mechanism=external"
+    )
+    ca_only = _rabbit("amqp://dr:5672", outbound_tls={"ca_file": "/ca.pem"})
+    with pytest.raises(
+        ConfigError, match=r"^dr: main takes certificate logins only .* give dr's outbound_tls a cert_file"
+    ):
+        amqp_uri(_rabbit_sites(main=_rabbit("amqps://main.example:5671", **x509), dr=ca_only), "main", "/", dialer="dr")
+    with pytest.raises(ValueError, match="x509_login needs a client certificate"):
+        _rabbit_sites(main=_rabbit("amqps://main.example:5671", x509_login=True))
+    with pytest.raises(ValueError, match="x509_login needs amqps:// broker URLs"):
+        _rabbit_sites(main=_rabbit("amqp://main.example:5672", **x509))
     with pytest.raises(ValueError, match="ca_file must be an absolute path on the broker hosts"):
         _rabbit_sites(dr=_rabbit("amqp://dr:5672", outbound_tls={"ca_file": "ca.pem"}))
 

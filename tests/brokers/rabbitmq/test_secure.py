@@ -17,7 +17,8 @@ import trustme
 import yaml
 
 from ferry import lab
-from ferry.brokers.rabbitmq.client import Management
+from ferry.brokers.rabbitmq.client import Management, amqp_connect
+from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.lab.scenarios import dr_federation
 from ferry.topology import load_topology
 from tests import helpers
@@ -56,6 +57,33 @@ def test_the_secure_rabbitmq_lab_is_tls_only_and_checks_clean(secure_rabbit_dr: 
     assert len(probes) == 3 * 2 and all(p["ok"] for p in probes), probes  # AMQP and the management API
     assert all(p["tls"]["version"] == "TLSv1.3" and p["tls"]["subject"] == "CN=127.0.0.1" for p in probes), probes
     assert all(p["identity"] == "user ferry (tags administrator)" for p in probes if p["endpoint"] == "management")
+    assert [n for n, c in clusters.items() if c.get("x509_login")] == ["pc1", "ltm"]  # art keeps its password
+
+
+def test_a_cluster_with_x509_login_is_logged_into_with_the_client_certificate(secure_rabbit_dr: lab.LabState) -> None:
+    """ferry's AMQP clients (aio-pika's and its own raw one) log into pc1 with SASL EXTERNAL, as the
+    user its certificate names; into art (no x509_login) with the password."""
+    topo = load_topology(secure_rabbit_dr.path / "topology.yaml")
+
+    async def logins(cluster: str) -> set[tuple[str, str]]:
+        conns = [
+            await amqp_connect(topo.rabbitmq(cluster), name="x509-check"),
+            await raw_connect(topo.rabbitmq(cluster), "/"),
+        ]
+        try:
+            async with Management(topo.rabbitmq(cluster)) as m:
+                for _ in range(50):  # the management API lists a connection within a few seconds
+                    rows = [c for c in await m.get("/connections") if c.get("peer_port") and c["user"] == "ferry"]
+                    if len(rows) >= 2:
+                        return {(c["auth_mechanism"], c["user"]) for c in rows}
+                    await asyncio.sleep(0.2)
+                raise AssertionError(f"{cluster}: ferry's connections not listed")
+        finally:
+            for c in conns:
+                await c.close()
+
+    assert asyncio.run(logins("pc1")) == {("EXTERNAL", "ferry")}
+    assert asyncio.run(logins("art")) == {("PLAIN", "ferry")}
 
 
 @pytest.mark.spark
@@ -109,8 +137,11 @@ def _other_ca(d: Path) -> str:
 
 BAD = {
     "another CA": (lambda c, d: c["tls"].update(ca_file=_other_ca(d)), "TLS: certificate verify failed: "),
-    "amqp:// to a TLS port": (
-        lambda c, d: [b.update(url=b["url"].replace("amqps://", "amqp://")) for b in c["brokers"]],
+    "amqp:// to a TLS port": (  # (x509_login off: with it, the topology itself is refused first)
+        lambda c, d: [
+            c.pop("x509_login", None),
+            *(b.update(url=b["url"].replace("amqps://", "amqp://")) for b in c["brokers"]),
+        ],
         "hung up before greeting ferry (a TLS port? then amqps://)",
     ),
     "http:// to a TLS port": (

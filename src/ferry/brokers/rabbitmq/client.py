@@ -132,7 +132,7 @@ def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
     ``amqps://`` broker it carries the TLS files of the dialer's ``outbound_tls`` (paths on the
     dialer's nodes) and ``verify=verify_peer``. It carries the password: never print it."""
     cluster, parts = topo.rabbitmq(target), urlsplit(topo.rabbitmq(target).brokers[0].url)
-    query = ""
+    query, tls = "", None
     if parts.scheme == "amqps":  # without cacertfile and verify_peer RabbitMQ would dial it unverified: refuse
         tls = topo.rabbitmq(dialer).outbound_tls
         if tls is None:
@@ -145,10 +145,17 @@ def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
         # the node checks the certificate against the URI's host (an IP address against the
         # certificate's IP names; a server_name_indication would be matched as a DNS name)
         query = "?" + "&".join([f"{k}={quote(v, safe='/')}" for k, v in files.items() if v] + ["verify=verify_peer"])
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
+    if cluster.x509_login:  # the dialling node's certificate logs in: no password in the URI
+        if not (tls and tls.cert_file):
+            raise ConfigError(
+                f"{dialer}: {target} takes certificate logins only (x509_login): give {dialer}'s outbound_tls "
+                "a cert_file and key_file (on its nodes)"
+            )
+        return f"{parts.scheme}://{host}:{parts.port}/{q(vhost)}{query}&auth_mechanism=external"
     creds = cluster.credentials
     user = quote(creds.user if creds else "guest", safe="")
     password = quote((creds.password() if creds else None) or "guest", safe="")
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
     return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}{query}"
 
 
@@ -169,18 +176,22 @@ async def amqp_connect(
         "host": parts.hostname,
         "port": parts.port,
         "virtualhost": vhost,
-        "login": creds.user if creds else "guest",
-        "password": (creds.password() if creds else None) or "guest",
         "ssl": parts.scheme == "amqps",
         "ssl_context": tls_context(cluster),
         "timeout": timeout,
         "client_properties": {"connection_name": name},
     }
+    if cluster.x509_login:  # SASL EXTERNAL: the client certificate is the login
+        kwargs["auth"] = "external"
+    else:
+        kwargs["login"] = creds.user if creds else "guest"
+        kwargs["password"] = (creds.password() if creds else None) or "guest"
     connect = aio_pika.connect_robust if robust else aio_pika.connect
     try:
         return await asyncio.wait_for(connect(**kwargs), timeout + 1)
     except aiormq.exceptions.ProbableAuthenticationError:
-        raise AuthError(f"{broker.name}: AMQP login refused for user {kwargs['login']!r}") from None
+        who = "the client certificate (x509_login)" if cluster.x509_login else f"user {kwargs['login']!r}"
+        raise AuthError(f"{broker.name}: AMQP login refused for {who}") from None
     except aiormq.exceptions.InvalidFrameError as exc:
         # the broker closed the handshake: most often the vhost is missing or not permitted
         reply = getattr(exc.args[0] if exc.args else None, "reply_text", None) or _close_reply(exc)

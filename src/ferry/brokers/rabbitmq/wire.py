@@ -10,7 +10,7 @@ on byte for byte (all properties and typed headers kept), with one header
 inserted (``x-ferry-transfer``). Everything else (handshake, channel and
 queue methods, errors) goes through pamqp.
 
-Supported: PLAIN login, heartbeats, channels with one RPC at a time,
+Supported: PLAIN and EXTERNAL (client certificate) logins, heartbeats, channels with one RPC at a time,
 basic.qos/consume/cancel/ack, confirm.select with ack/nack/return, passive
 queue.declare, connection.blocked (publishes simply wait in the socket buffer).
 """
@@ -238,7 +238,7 @@ class Connection:
         cls,
         host: str,
         port: int,
-        user: str,
+        user: str | None,
         password: str,
         vhost: str,
         *,
@@ -246,7 +246,8 @@ class Connection:
         timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
     ) -> Connection:
-        """Connected and logged in (over TLS from the first byte when `tls` is given: amqps)."""
+        """Connected and logged in (over TLS from the first byte when `tls` is given: amqps; `user`
+        None: with its client certificate)."""
         conn = cls(name or f"{host}:{port}")
         try:
             conn.reader, conn.writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), timeout)
@@ -288,7 +289,8 @@ class Connection:
             raise BrokerUnavailable(f"{self.name}: unexpected {got.name} during the AMQP handshake")
         return got
 
-    async def _handshake_steps(self, user: str, password: str, vhost: str) -> None:
+    async def _handshake_steps(self, user: str | None, password: str, vhost: str) -> None:
+        """`user` None: log in with the TLS client certificate (SASL EXTERNAL)."""
         await self._expect(commands.Connection.Start)
         self.greeted = True
         capabilities = {
@@ -302,8 +304,8 @@ class Connection:
             frame.marshal(
                 commands.Connection.StartOk(
                     client_properties={"product": "ferry", "connection_name": "ferry", "capabilities": capabilities},
-                    mechanism="PLAIN",
-                    response=f"\0{user}\0{password}",
+                    mechanism="PLAIN" if user is not None else "EXTERNAL",
+                    response=f"\0{user}\0{password}" if user is not None else "",
                     locale="en_US",
                 ),
                 0,
@@ -494,8 +496,8 @@ async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name:
         return await Connection.open(
             parts.hostname or "127.0.0.1",
             parts.port or (5671 if amqps else 5672),
-            creds.user if creds else "guest",
-            (creds.password() if creds else None) or "guest",
+            None if cluster.x509_login else creds.user if creds else "guest",
+            "" if cluster.x509_login else (creds.password() if creds else None) or "guest",
             vhost,
             name=name or b.name,
             tls=(tls_context(cluster) or ssl.create_default_context()) if amqps else None,
