@@ -65,7 +65,7 @@ async def _depths(topo: Topology, cluster: str) -> int:
     return total
 
 
-async def _fill_queues(topo: Topology, cluster: str, per_queue: int, size: int) -> None:
+async def fill_queues(topo: Topology, cluster: str, per_queue: int, size: int) -> None:
     for c in ("ltm", "pc1"):
         async with Management(topo.rabbitmq(c)) as m:
             for name in QUEUES:
@@ -171,7 +171,7 @@ def bench_rabbitmq(root: Path, n: int, size: int, extra: list[str], runs: int = 
     rows: list[dict[str, Any]] = []
     for round_ in range(1, runs + 1):  # each round: fresh queues, shovels to pc1, ferry back to ltm
         print(f"rabbitmq (round {round_}): filling {len(QUEUES)} queues on ltm with {total:,} messages", flush=True)
-        asyncio.run(_fill_queues(topo, "ltm", per_queue, size))
+        asyncio.run(fill_queues(topo, "ltm", per_queue, size))
         print(f"rabbitmq (round {round_}): shovels ltm -> pc1", flush=True)
         with PeakRss(pids=beams) as broker:
             seconds = asyncio.run(shovel())

@@ -8,8 +8,13 @@ Two labs side by side: `supercluster` (users and passwords, plaintext) and `supe
 - move: `ferry move` of an R3 stream (prefilled) from east to west while producers on west publish
   at 3,500 msg/s core and 3,500 msg/s JetStream (bench/move.py's case); lost counted by Ferry-Id.
 
-Target: secure >= 0.8x plaintext copy throughput; move 0 lost on both. (RabbitMQ over TLS: not
-measured here yet.)
+Then two rabbit-dr labs side by side, plaintext and `--secure` (AMQP and the management API on TLS
+only, client certificates required), alternately:
+
+- rabbitmq copy: `ferry copy rabbitmq://pc1/%2F/bench-* rabbitmq://ltm/%2F/* --drain` of 10 queues
+  of 1 kB messages (the queue mover's own AMQP client); the rate is messages / seconds of the copy.
+
+Target: secure >= 0.8x plaintext copy throughput (each broker); move 0 lost on both.
 
     .venv/bin/python -m bench.secure            # 100,000 messages copied, 3 rounds
     .venv/bin/python -m bench.secure --quick    # 20,000, 1 round
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import run_ferry, save_rows
+from bench.copy import QUEUES, fill_queues
 from bench.move import make, one
 from ferry import lab
 from ferry.topology import load_topology
@@ -43,6 +49,22 @@ def copy_round(topology: Path, n: int, i: int) -> dict[str, Any]:
     return {"copied": n, "rate": n / report["seconds"], "wall_s": r["wall"], "cpu_s": r["cpu"]}
 
 
+def rabbit_round(topology: Path, n: int) -> dict[str, Any]:
+    asyncio.run(fill_queues(load_topology(topology), "pc1", n // len(QUEUES), 1000))
+    r = run_ferry(["copy", "rabbitmq://pc1/%2F/bench-*", "rabbitmq://ltm/%2F/*", "--drain"], topology)
+    report = r["report"]
+    assert report["stored"] == n // len(QUEUES) * len(QUEUES), report
+    return {"copied": report["stored"], "rate": report["stored"] / report["seconds"], "wall_s": r["wall"]}
+
+
+def _labs(root: Path, profile: str) -> dict[str, Path]:
+    roots = {name: root / f"{profile}-{name}" for name in LABS}
+    for name, where in roots.items():
+        where.mkdir(mode=0o755)
+        lab.up(profile, where, log=lambda _: None, secure=name == "secure")
+    return roots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)
@@ -53,34 +75,47 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
     root.chmod(0o755)
     os.environ["FERRY_LAB_DIR"] = str(root)
-    roots = {name: root / name for name in LABS}
     rows: list[dict[str, Any]] = []
+    roots: dict[str, Path] = {}
     try:
-        for name, where in roots.items():
-            where.mkdir(mode=0o755)
-            lab.up("supercluster", where, log=lambda _: None, secure=name == "secure")
+        roots = _labs(root, "supercluster")
         for i in range(runs):
             for name, where in roots.items():
                 topology = where / "topology.yaml"
-                row = {"lab": name, "round": i, **copy_round(topology, n, i)}
+                row = {"broker": "jetstream", "lab": name, "round": i, **copy_round(topology, n, i)}
                 moved = one(load_topology(topology), topology, "ferry", 3500, 5_000, where / "work")
                 row |= {"move_" + k: moved[k] for k in ("sent", "lost", "took_s", "unavailable_s")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        for where in roots.values():
+            lab.down(root=where, log=lambda _: None)
+        roots = _labs(root, "rabbit-dr")
+        for i in range(runs):
+            for name, where in roots.items():
+                rows.append({"broker": "rabbitmq", "lab": name, "round": i, **rabbit_round(where / "topology.yaml", n)})
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         for where in roots.values():
             lab.down(root=where, log=lambda _: None)
     print()
-    plain = statistics.median(r["rate"] for r in rows if r["lab"] == "plain")
-    print(f"{'lab':7} {'copy msg/s':>10} {'ratio':>6} {'move sent':>9} {'lost':>5} {'move s':>7} {'window ms':>9}")
-    for name in LABS:
-        mine = [r for r in rows if r["lab"] == name]
-        rate = statistics.median(r["rate"] for r in mine)
-        print(
-            f"{name:7} {rate:>10,.0f} {rate / plain:>5.2f}x {sum(r['move_sent'] for r in mine):>9,} "
-            f"{sum(r['move_lost'] for r in mine):>5} {statistics.median(r['move_took_s'] for r in mine):>7.2f} "
-            f"{max(r['move_unavailable_s'] for r in mine) * 1000:>9.1f}"
-        )
+    print(
+        f"{'copy':10} {'lab':7} {'msg/s':>8} {'ratio':>6} {'move sent':>9} {'lost':>5} {'move s':>7} {'window ms':>9}"
+    )
+    for broker in ("jetstream", "rabbitmq"):
+        plain = statistics.median(r["rate"] for r in rows if (r["broker"], r["lab"]) == (broker, "plain"))
+        for name in LABS:
+            mine = [r for r in rows if (r["broker"], r["lab"]) == (broker, name)]
+            rate = statistics.median(r["rate"] for r in mine)
+            move = (
+                ""
+                if broker == "rabbitmq"
+                else (
+                    f" {sum(r['move_sent'] for r in mine):>9,} {sum(r['move_lost'] for r in mine):>5} "
+                    f"{statistics.median(r['move_took_s'] for r in mine):>7.2f} "
+                    f"{max(r['move_unavailable_s'] for r in mine) * 1000:>9.1f}"
+                )
+            )
+            print(f"{broker:10} {name:7} {rate:>8,.0f} {rate / plain:>5.2f}x{move}")
     save_rows("secure", rows)
 
 
