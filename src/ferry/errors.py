@@ -74,6 +74,11 @@ class ConfigError(Terminal, FerryError):
     exit_code = 2
 
 
+class Unreadable(ConfigError):
+    """A credential or TLS file (or environment variable) the topology names cannot be read
+    where ferry runs: in a Spark task, the message names the executor's host."""
+
+
 class UsageError(Terminal, FerryError):
     """A command was asked to do something it cannot do as asked."""
 

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ferry.errors import ConfigError, NotFound
+from ferry.errors import ConfigError, NotFound, Unreadable
 
 __all__ = [
     "Credentials",
@@ -53,6 +53,7 @@ __all__ = [
     "Site",
     "Tls",
     "Topology",
+    "broker_tls",
     "default_topology_path",
     "lab_root",
     "load_topology",
@@ -140,7 +141,7 @@ class Credentials(_Model):
     def _read(self, env: str | None, file: Path | None) -> str | None:
         problem = self.missing()
         if problem:
-            raise ConfigError(f"credentials: {problem}")
+            raise Unreadable(f"credentials: {problem}")
         if env:
             return os.environ[env]
         if file:
@@ -181,6 +182,19 @@ class Tls(_Model):
         """A client context that verifies the server (and presents the client certificate)."""
         return _tls_context(self)
 
+    def over(self, base: Tls | None) -> Tls:
+        """This block laid over `base` (a broker's over its cluster's): the fields it sets win."""
+        if base is None:
+            return self
+        return Tls.model_validate(base.model_dump(exclude_none=True) | self.model_dump(exclude_none=True))
+
+
+def broker_tls(cluster: NatsCluster | RabbitCluster, broker: NatsBroker | RabbitBroker | None = None) -> Tls | None:
+    """The TLS settings ferry dials `broker` with (default: the cluster's first): the cluster's
+    ``tls`` with the broker's own ``tls`` fields over it."""
+    broker = broker or cluster.brokers[0]
+    return broker.tls.over(cluster.tls) if broker.tls else cluster.tls
+
 
 def _unreadable(path: Path | None) -> str | None:
     """Why `path` cannot be read (it does not exist, or is not readable), else None (None for no path)."""
@@ -192,7 +206,7 @@ def _unreadable(path: Path | None) -> str | None:
 @functools.cache
 def _tls_context(tls: Tls) -> ssl.SSLContext:
     if problem := tls.missing():
-        raise ConfigError(problem)
+        raise Unreadable(problem)
     try:
         ctx = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
     except ssl.SSLError as exc:
@@ -208,10 +222,14 @@ def _tls_context(tls: Tls) -> ssl.SSLContext:
 
 
 class NatsBroker(_Model):
+    """A NATS server; its ``tls`` fields override its cluster's for this server (e.g. the
+    ``server_name`` its own certificate carries)."""
+
     name: str = Field(pattern=_NAME)
     url: str
     monitor_url: str | None = None
     mqtt_url: str | None = None
+    tls: Tls | None = None
 
     _v_url = field_validator("url")(lambda v: _url(v, ("nats", "tls")))
     _v_mon = field_validator("monitor_url")(lambda v: v and _url(v, ("http", "https")))
@@ -219,11 +237,14 @@ class NatsBroker(_Model):
 
 
 class RabbitBroker(_Model):
+    """A RabbitMQ node; its ``tls`` fields override its cluster's for this node."""
+
     name: str = Field(pattern=_NAME)
     node: str | None = None
     url: str
     management_url: str
     mqtt_url: str | None = None
+    tls: Tls | None = None
 
     _v_url = field_validator("url")(lambda v: _url(v, ("amqp", "amqps")))
     _v_mgmt = field_validator("management_url")(lambda v: _url(v, ("http", "https")))
@@ -349,18 +370,18 @@ class RabbitCluster(_Model):
 
     @model_validator(mode="after")
     def _x509(self) -> RabbitCluster:
-        if self.x509_login and not (self.tls and self.tls.cert_file):
+        if self.x509_login and not all((t := broker_tls(self, b)) and t.cert_file for b in self.brokers):
             raise ValueError("x509_login needs a client certificate: tls.cert_file and tls.key_file")
         if self.x509_login and not all(b.url.startswith("amqps://") for b in self.brokers):
             raise ValueError("x509_login needs amqps:// broker URLs")
         return self
 
-    @field_validator("tls")
-    @classmethod
-    def _no_server_name(cls, v: Tls | None) -> Tls | None:
-        if v and v.server_name:
-            raise ValueError("server_name is for NATS clusters; RabbitMQ brokers are verified against their URL's host")
-        return v
+    @model_validator(mode="after")
+    def _no_server_name(self) -> RabbitCluster:
+        for tls in [self.tls, *(b.tls for b in self.brokers)]:
+            if tls and tls.server_name:
+                raise ValueError("server_name is for NATS; RabbitMQ brokers are verified against their URL's host")
+        return self
 
     @field_validator("credentials")
     @classmethod
@@ -485,6 +506,7 @@ class Topology(_Model):
                 creds += [(f"accounts.{a}", c) for a, c in cluster.accounts.items()]
             else:
                 creds += [("tls", cluster.tls)]
+            creds += [(f"brokers.{b.name}.tls", b.tls) for b in cluster.brokers]
             for key, cred in creds:
                 problem = cred.missing() if cred else None
                 if problem:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from ferry.errors import (
     AuthError,
     BrokerUnavailable,
@@ -36,3 +38,17 @@ def test_a_ferry_error_keeps_its_fields_when_pickled() -> None:
     assert type(back) is BrokerUnavailable and str(back) == str(err)
     assert back.fields == {"stream": "ORDERS", "err_code": 10059} and back.retryable
     assert isinstance(pickle.loads(pickle.dumps(FerryError("x"))), FerryError)
+
+
+def test_a_file_a_spark_task_cannot_read_is_named_with_the_executors_host_once() -> None:
+    import socket
+
+    from ferry.errors import Unreadable
+    from ferry.spark.options import on_executor
+
+    with pytest.raises(Unreadable) as info, on_executor(), on_executor():  # a task's step inside the task
+        raise Unreadable("credentials: creds file /x.creds does not exist")
+    assert (
+        str(info.value)
+        == f"credentials: creds file /x.creds does not exist (on Spark executor host {socket.gethostname()})"
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -299,3 +301,29 @@ def test_a_cluster_seen_from_another_account_has_that_accounts_credentials(tmp_p
     assert view.nats("east").credentials == sales.credentials and view.nats("east", "SALES") == sales
     with pytest.raises(ConfigError, match=r"^cluster 'east' has no account 'NOPE'"):
         topo.in_account("NOPE").nats("east")
+
+
+def test_a_brokers_tls_fields_override_its_clusters(tmp_path) -> None:
+    from ferry.brokers.nats.auth import tls_for, tls_groups
+    from ferry.topology import broker_tls
+
+    (tmp_path / "ca.pem").write_text("x")
+    text = VALID.replace(
+        "    kind: nats\n", f"    kind: nats\n        tls: {{ca_file: {tmp_path / 'ca.pem'}, server_name: nats}}\n"
+    ).replace(
+        "            monitor_url: http://127.0.0.1:8222\n",
+        "            monitor_url: http://127.0.0.1:8222\n"
+        "            tls: {server_name: east-1.example, cert_file: /c.pem, key_file: /k.pem}\n"
+        "          - {name: east-2, url: 'nats://127.0.0.1:4223'}\n",
+    )
+    topo = parse_topology(text)
+    east = topo.nats("east")
+    one, two = (broker_tls(east, b) for b in east.brokers)
+    assert (one.ca_file, one.server_name, one.cert_file) == (tmp_path / "ca.pem", "east-1.example", Path("/c.pem"))
+    assert two == east.tls  # no tls of its own: the cluster's
+    assert tls_for(east, "nats://127.0.0.1:4222") == one and tls_for(east, "http://127.0.0.1:8222") == one
+    assert tls_for(east, "tls://lb.example:4222") == east.tls  # a load balancer's URL: the cluster's
+    assert tls_groups(east, east.urls) == [["nats://127.0.0.1:4222"], ["nats://127.0.0.1:4223"]]
+    assert "sites.lab.clusters.east.brokers.east-1.tls: cert_file /c.pem does not exist" in topo.credential_problems()
+    mgmt = "            management_url: http://127.0.0.1:15672\n"
+    assert "server_name is for NATS" in _error(VALID.replace(mgmt, mgmt + "            tls: {server_name: x}\n"))

@@ -5,6 +5,7 @@ and write) and the `rabbitmq` sink, on real servers. ferry's own jobs read strea
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,10 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.nats.reader import ReadConfig
+from ferry.errors import Unreadable
 from ferry.spark.jetstream import stream_frame
+from ferry.spark.session import spark_error
+from ferry.topology import Credentials
 from tests.conftest import profile_topology
 from tests.helpers import fill_stream, make_queues, make_stream, queue_messages, read_stream, stream_count
 
@@ -140,3 +144,22 @@ def test_rabbitmq_sink_publishes_with_confirms_and_refuses_unroutable_rows(
         df.write.format("rabbitmq").option("cluster", ltm).option("exchange", "amq.direct").mode("append").save()
     with pytest.raises(Exception, match="exactly one of the options 'queue' or 'exchange'"):
         df.write.format("rabbitmq").option("cluster", ltm).mode("append").save()
+
+
+def test_a_credential_an_executor_cannot_read_names_its_host(
+    supercluster: lab.LabState, dsrc: str, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver plans with a password from an environment variable the executors were started
+    without (set here, after Spark's JVM and workers began): the read fails in one line that names
+    the variable and the executor's host, as on a cluster whose workers lack the topology's files."""
+    east = profile_topology(supercluster).nats("east")
+    monkeypatch.setenv("FERRY_T_LATE", east.credentials.password())  # type: ignore[union-attr]
+    late = east.model_copy(update={"credentials": Credentials(user=east.credentials.user, password_env="FERRY_T_LATE")})  # type: ignore[union-attr]
+    cfg = ReadConfig(cluster=late.model_dump_json(), name="east", streams=(dsrc,), end_seq=10)
+    with pytest.raises(Exception) as info:
+        stream_frame(spark, cfg).count()
+    err = spark_error(info.value)
+    assert isinstance(err, Unreadable), err
+    assert str(err) == (
+        f"credentials: environment variable FERRY_T_LATE is not set (on Spark executor host {socket.gethostname()})"
+    )

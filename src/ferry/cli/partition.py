@@ -11,6 +11,7 @@ import typer
 
 from ferry.cli.options import (
     PLAIN,
+    AccountOpt,
     JsonOpt,
     MetricsPortOpt,
     SparkMaster,
@@ -77,6 +78,7 @@ def partition_route(
         Path | None, typer.Option("--map", help="Route by this map file instead of the claims in the cluster.")
     ] = None,
     via: ViaOpt = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -87,7 +89,7 @@ def partition_route(
         maps = [pt.load_map(map_file)]
         pt.require_valid(maps[0])  # an overlap would route a subject to either owner
     else:
-        topo = open_topology(topology)
+        topo = open_topology(topology).in_account(account)
 
         async def claimed() -> list[Any]:
             async with _nats_session(topo, via) as nc:
@@ -120,19 +122,28 @@ async def _nats_session(topo: Any, via: str | None) -> Any:
 
 
 @partition_app.command("plan")
-def partition_plan(file: MapArg, via: ViaOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+def partition_plan(
+    file: MapArg,
+    via: ViaOpt = None,
+    account: AccountOpt = None,
+    topology: TopologyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """What applying MAP would change (the same as `apply --dry-run`): streams created or updated,
     subjects changing owner and messages moving."""
-    partition_apply(file, dry_run=True, via=via, topology=topology, as_json=as_json)
+    partition_apply(file, dry_run=True, via=via, account=account, topology=topology, as_json=as_json)
 
 
 @partition_app.command("status")
-def partition_status(via: ViaOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
-    """Every map on record in the cluster: its partitions and streams, and a repartition that did not finish."""
+def partition_status(
+    via: ViaOpt = None, account: AccountOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False
+) -> None:
+    """Every map on record in the cluster (of the account): its partitions and streams, and a
+    repartition that did not finish."""
     from ferry.jobs import partition as pt
     from ferry.jobs.partition.claims import status
 
-    topo = open_topology(topology)
+    topo = open_topology(topology).in_account(account)
 
     async def on_record() -> list[dict[str, Any]]:
         async with _nats_session(topo, via) as nc:
@@ -167,17 +178,20 @@ def partition_apply(
         bool, typer.Option("--force", help="Apply although a repartition of this map did not finish (checked by hand).")
     ] = False,
     via: ViaOpt = None,
+    account: AccountOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
     topology: TopologyOpt = None,
     metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Claim MAP's subjects and create or update one stream per partition capturing exactly its patterns."""
+    """Claim MAP's subjects and create or update one stream per partition capturing exactly its patterns.
+
+    With --account, in that NATS account: its streams, and its own record of claims."""
     from ferry.jobs import partition as pt
 
     pmap = pt.load_map(file)
-    topo = open_topology(topology)
+    topo = open_topology(topology).in_account(account)
     spark = factory(spark_master, spark_remote, app_name=f"ferry partition apply {pmap.name}", data_sources=False)
     with contextlib.ExitStack() as bar:  # a progress bar while a moving pattern's history is copied
         advance: list[Callable[[int], None]] = []

@@ -22,16 +22,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError
-from ferry.topology import NatsCluster, RabbitCluster
+from ferry.topology import NatsCluster, RabbitCluster, broker_tls
 
 
 @dataclass
 class Frontend:
     name: str  # e.g. nats_east
     bind: str  # host:port
-    servers: list[tuple[str, str, int]]  # node name, client host:port, health-check port
+    servers: list[tuple[str, str, int, str]]  # node name, client host:port, health-check port, its TLS options
     check_uri: str = "/healthz"
-    check_tls: str = ""  # the server options of a check over TLS ("" for plain HTTP)
+
+    @property
+    def check_tls(self) -> bool:
+        """Whether the nodes' health ports are checked over TLS."""
+        return any(tls for *_, tls in self.servers)
 
 
 def haproxy_binary() -> str:
@@ -64,27 +68,28 @@ def frontends(
         def check_port(b: Any) -> int:
             return urlsplit(b.management_url).port or 15672
 
-    tls = _check_tls(cluster)
     out = [
         Frontend(
             f"{kind}_{name}",
             client_bind,
-            [(b.name, _hostport(b.url), check_port(b)) for b in cluster.brokers],
+            [(b.name, _hostport(b.url), check_port(b), _check_tls(cluster, b)) for b in cluster.brokers],
             check_uri,
-            tls,
         )
     ]
-    mqtt = [(b.name, _hostport(b.mqtt_url), check_port(b)) for b in cluster.brokers if b.mqtt_url]
+    mqtt = [
+        (b.name, _hostport(b.mqtt_url), check_port(b), _check_tls(cluster, b)) for b in cluster.brokers if b.mqtt_url
+    ]
     if mqtt_bind and mqtt:
-        out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt, check_uri, tls))
+        out.append(Frontend(f"mqtt_{name}", mqtt_bind, mqtt, check_uri))
     return out
 
 
-def _check_tls(cluster: NatsCluster | RabbitCluster) -> str:
-    """The server options that verify a node's HTTPS health port (and show the client certificate)."""
-    if cluster.tls is None:
+def _check_tls(cluster: NatsCluster | RabbitCluster, broker: Any) -> str:
+    """The server options that verify a node's HTTPS health port (and show the client certificate):
+    the broker's TLS settings (its cluster's, with its own over them)."""
+    tls = broker_tls(cluster, broker)
+    if tls is None:
         return ""
-    tls = cluster.tls
     opts = ["verify required", f"ca-file {tls.ca_file}" if tls.ca_file else "ca-file @system-ca"]
     if tls.cert_file:
         opts.append(f"crt {tls.cert_file}")
@@ -125,9 +130,8 @@ def render(frontends: list[Frontend], serve: str, stats_bind: str | None = None)
             "  http-check send meth GET uri-lf /availability_check?node=%[srv_name]",
             "  http-check expect status 200",
         ]
-        for node, addr, monitor in f.servers:
+        for node, addr, monitor, tls in f.servers:
             host = addr.rsplit(":", 1)[0]
-            tls = f" {f.check_tls}" if f.check_tls else ""
-            lines.append(f"  server {node} {addr} check addr {host} port {monitor}{tls}")
+            lines.append(f"  server {node} {addr} check addr {host} port {monitor}{' ' + tls if tls else ''}")
         lines.append("")
     return "\n".join(lines)

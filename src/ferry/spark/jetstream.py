@@ -84,7 +84,17 @@ from ferry.brokers.nats.relay import relay_range
 from ferry.brokers.nats.writer import WriteConfig, write_batches
 from ferry.errors import ConfigError
 from ferry.schema import SPARK_DDL
-from ferry.spark.options import COUNTS_DDL, Committed, cluster_json, iterate, opt_bool, opt_int, per_index
+from ferry.spark.options import (
+    COUNTS_DDL,
+    Committed,
+    cluster_json,
+    executor_task,
+    iterate,
+    on_executor,
+    opt_bool,
+    opt_int,
+    per_index,
+)
 from ferry.topology import NatsCluster
 
 __all__ = ["JetStreamDataSource", "read_config", "stream_frame", "write_config"]
@@ -212,7 +222,8 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
         part: Range = partition.value
         if self.relay:
-            return iter([relay_range(self.cfg, self.relay[part.stream], part).as_batch()])
+            with on_executor():
+                return iter([relay_range(self.cfg, self.relay[part.stream], part).as_batch()])
         return iterate(read_range(self.cfg, part))
 
     def commit(self, end: dict[str, int]) -> None:
@@ -223,6 +234,7 @@ class JetStreamWriter(DataSourceArrowWriter):
     def __init__(self, cfg: WriteConfig) -> None:
         self.cfg = cfg
 
+    @executor_task
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Committed:
         return Committed(asyncio.run(write_batches(self.cfg, iterator)))
 
@@ -234,6 +246,7 @@ class JetStreamStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, cfg: WriteConfig) -> None:
         self.cfg = cfg
 
+    @executor_task
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Committed:
         return Committed(asyncio.run(write_batches(self.cfg, iterator)))
 

@@ -5,6 +5,9 @@ task returns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -12,7 +15,7 @@ from typing import Any, TypeVar
 from pyspark.sql.datasource import WriterCommitMessage
 
 from ferry.brokers.base import WriteCounts
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, Unreadable
 from ferry.topology import NatsCluster, load_topology
 
 T = TypeVar("T")
@@ -38,13 +41,38 @@ def cluster_json(options: dict[str, str], kind: type[T]) -> str:
     return cluster.model_dump_json()
 
 
+@contextlib.contextmanager
+def on_executor() -> Iterator[None]:
+    """Around a Spark task's work: a topology file (credentials, TLS) it cannot read is named with
+    this host, for on a cluster the files must be readable where the executors run."""
+    try:
+        yield
+    except Unreadable as exc:
+        where = f" (on Spark executor host {socket.gethostname()})"
+        if where in str(exc):  # named already, by a task's inner step
+            raise
+        raise Unreadable(f"{exc}{where}") from None
+
+
+def executor_task(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn`, a Spark task's function, run :func:`on_executor`."""
+
+    @functools.wraps(fn)
+    def task(*args: Any, **kwargs: Any) -> T:
+        with on_executor():
+            return fn(*args, **kwargs)
+
+    return task
+
+
 def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
     """Drive an async generator from synchronous code (Spark's read/write calls)."""
     loop = asyncio.new_event_loop()
     try:
         while True:
             try:
-                yield loop.run_until_complete(agen.__anext__())
+                with on_executor():
+                    yield loop.run_until_complete(agen.__anext__())
             except StopAsyncIteration:
                 return
     finally:
@@ -60,7 +88,8 @@ def per_index(spark: Any, n: int, batches: Callable[[int], Iterable[Any]], schem
     def each(indices: Iterator[Any]) -> Iterator[Any]:
         for chunk in indices:
             for i in chunk.column(0).to_pylist():
-                yield from batches(i)
+                with on_executor():
+                    yield from batches(i)
 
     return spark.range(0, n, 1, max(1, n)).mapInArrow(each, schema)
 

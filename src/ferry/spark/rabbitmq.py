@@ -28,7 +28,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from ferry.brokers.rabbitmq.queue_io import WriteConfig, write_rows
 from ferry.errors import ConfigError
 from ferry.schema import SPARK_DDL
-from ferry.spark.options import Committed, cluster_json, opt_int
+from ferry.spark.options import Committed, cluster_json, executor_task, opt_int
 from ferry.topology import RabbitCluster
 
 __all__ = ["RabbitMQDataSource", "write_config"]
@@ -55,6 +55,7 @@ class _Writer(DataSourceArrowWriter):
     def __init__(self, cfg: WriteConfig) -> None:
         self.cfg = cfg
 
+    @executor_task
     def write(self, iterator: Any) -> Committed:
         return Committed(asyncio.run(write_rows(self.cfg, iterator)))
 
@@ -66,6 +67,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, cfg: WriteConfig) -> None:
         self.cfg = cfg
 
+    @executor_task
     def write(self, iterator: Any) -> Committed:
         return Committed(asyncio.run(write_rows(self.cfg, iterator)))
 

@@ -291,7 +291,9 @@ def register(spark: Any) -> None:
         spark.dataSource.register(source)
 
 
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$")
+_EXC_LINE = re.compile(
+    r"^(ferry\.errors\.\w+|[A-Za-z_][\w.]*(?:Error|Exception|NotFound|Unavailable|Conflict|Failed)): (.+)$"
+)
 
 
 def spark_error(exc: Exception) -> FerryError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import csv
 import datetime
@@ -15,6 +16,7 @@ import io
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +35,7 @@ from ferry.lab.nats import nats_server_binary
 from ferry.lab.procs import free_ports, port_open
 from ferry.topology import load_topology
 from tests import helpers
-from tests.helpers import acked_ids, finish, judge, make_stream, read_stream, start_load
+from tests.helpers import acked_ids, finish, judge, make_stream, read_stream, start_load, stream_leader
 
 pytestmark = pytest.mark.lab
 
@@ -202,6 +204,45 @@ def test_bad_security_settings_get_one_line_and_change_nothing(secure: lab.LabSt
         assert expected.format(d=tmp_path, sys=secure.path / "secrets" / "sys.creds") in r.stderr, r.stderr
     names = asyncio.run(_streams(secure.path / "topology.yaml"))
     assert "SECURE_NEW" not in names
+
+
+@pytest.mark.spark
+@pytest.mark.connect
+def test_a_brokers_own_tls_settings_override_its_clusters(secure: lab.LabState, tmp_path: Path) -> None:
+    """West's tls names a server its certificates do not carry (refused above); each west broker's
+    own tls names the one they do: the control plane, the probes and Spark's data plane dial every
+    server with its own settings. With only west-1's set, ferry reaches west through west-1."""
+    good = secure.path / "topology.yaml"
+    asyncio.run(make_stream(load_topology(good), "west", "PERB", ["perb.>"], placement="west"))
+    r = ferry("load", "jetstream://west", "--subject", "perb.{n}", "--count", "2000", "--ledger",
+              str(tmp_path / "ledger"), topology=good)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+    def every(c: dict[str, Any], d: Path) -> None:
+        c["tls"]["server_name"] = "nats-a"
+        for b in c["brokers"]:
+            b["tls"] = {"server_name": "localhost"}
+
+    topology = _variant(good, tmp_path / "every.yaml", every)
+    check = ferry("topology", "check", str(topology), "--json", topology=topology)
+    assert check.returncode == 0 and all(p["ok"] for p in json.loads(check.stdout)["probes"]), check.stdout[-2000:]
+    args = ["copy", "jetstream://west/PERB", "jetstream://west/PERB_COPY", "--create", "--subject-prefix", "copy."]
+    r = ferry(*args, "--json", topology=topology)
+    assert r.returncode == 0 and json.loads(r.stdout)["stored"] == 2000, r.stderr[-2000:]
+    held = held_ids(good, "west", "PERB_COPY")
+    assert len(held) == len(set(held)) == 2000 and set(held) == acked_ids(tmp_path / "ledger")
+
+    def first_only(c: dict[str, Any], d: Path) -> None:
+        c["tls"]["server_name"] = "nats-a"
+        c["brokers"][0]["tls"] = {"server_name": "localhost"}
+
+    topology = _variant(good, tmp_path / "first.yaml", first_only)
+    info = ferry("stream", "info", "PERB", "--cluster", "west", topology=topology)
+    assert info.returncode == 0 and "2,000 messages" in info.stdout, info.stderr
+    check = ferry("topology", "check", str(topology), "--json", topology=topology)
+    rows = {(p["broker"], p["endpoint"]): p for p in json.loads(check.stdout)["probes"] if p["cluster"] == "west"}
+    assert check.returncode != 0 and rows[("west-1", "client")]["ok"], rows
+    assert not rows[("west-2", "client")]["ok"] and "Hostname mismatch" in rows[("west-2", "client")]["detail"], rows
 
 
 async def _streams(topology: Path) -> list[str]:
@@ -450,11 +491,47 @@ def test_a_repartition_under_load_on_the_secure_lab_moves_each_message_once(
         assert not set(held) & sent[other], f"{stream} holds messages of secp.{other}.>"
 
 
+def test_a_partition_map_of_the_second_account_is_kept_in_that_account(secure: lab.LabState, tmp_path: Path) -> None:
+    """partition apply --account SALES: the streams and the record of claims are SALES's; APP's
+    record does not list the map."""
+    topology = secure.path / "topology.yaml"
+    doc = {
+        "name": "salesmap",
+        "partitions": [{"name": "p", "stream": "SALESP", "cluster": "east", "patterns": ["salesp.>"]}],
+    }
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    ferry("partition", "apply", str(tmp_path / "m.yaml"), "--account", "SALES", topology=topology, check=True)
+    r = ferry("load", "jetstream://east?account=SALES", "--subject", "salesp.{n}", "--count", "100", "--ledger",
+              str(tmp_path / "ledger"), topology=topology)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    sales = load_topology(topology).in_account("SALES")
+    held = [row["msg_id"] for row in asyncio.run(read_stream(sales, "east", "SALESP"))]
+    assert len(held) == len(set(held)) == 100 and set(held) == acked_ids(tmp_path / "ledger")
+    maps = {m["map"] for m in json.loads(ferry("partition", "status", "--json", "--account", "SALES",
+                                               topology=topology, check=True).stdout)}  # fmt: skip
+    assert "salesmap" in maps
+    app = {m["map"] for m in json.loads(ferry("partition", "status", "--json", topology=topology, check=True).stdout)}
+    assert "salesmap" not in app
+
+
 def _haproxy(state: lab.LabState) -> dict[str, dict[str, str]]:
     """HAProxy's own view of nats_east's servers: status and current client sessions."""
     text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
     rows = csv.DictReader(io.StringIO(text))
     return {r["svname"]: r for r in rows if r["pxname"] == "nats_east" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
+async def _lead_from(topo: Any, stream: str, server: str) -> None:
+    """Make `server` the leader of `stream` (a preferred step-down, asked until it holds)."""
+    async with bnats.session(topo.nats("east")) as nc:
+        for _ in range(20):
+            if bnats.leader_of(await nc.jsm().stream_info(stream)) == server:
+                return
+            body = json.dumps({"placement": {"preferred": server}}).encode()
+            with contextlib.suppress(Exception):
+                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=3)
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{server} never led {stream}")
 
 
 def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab.LabState, tmp_path: Path) -> None:
@@ -463,7 +540,11 @@ def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab
     then ferry serve's availability; the evacuation's clients reconnect through it, none lost."""
     topology = secure.path / "topology.yaml"
     asyncio.run(make_stream(load_topology(topology), "east", "EVS", ["evs.>"], placement="east"))
-    assert {n: r["check_status"] for n, r in _haproxy(secure).items()} == dict.fromkeys(NODES, "L7OK")
+    sales = load_topology(topology).in_account("SALES")  # a leader of the second account on east-1
+    asyncio.run(make_stream(sales, "east", "EVSALES", ["evsales.>"], placement="east"))
+    asyncio.run(_lead_from(sales, "EVSALES", "east-1"))
+    checks = lambda: {n: r["check_status"] for n, r in _haproxy(secure).items()}  # noqa: E731
+    helpers.wait_for(lambda: checks() == dict.fromkeys(NODES, "L7OK"), 20, "HAProxy's checks over TLS to pass")
     load = start_load(topology, "jetstream://east", "evs.{n}", tmp_path / "ledger", 12, "--producers", "30",
                       "--url", secure.lb["clusters"]["east"]["nats"])  # fmt: skip
     helpers.wait_for(lambda: int(_haproxy(secure)["east-1"]["scur"]) >= 5, 30, "clients on east-1 through HAProxy")
@@ -472,18 +553,58 @@ def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
+    # the second account's leader moved too, asked as ferry's user in that account (its replica stays: no spare)
+    assert asyncio.run(stream_leader(sales, "east", "EVSALES")) != "east-1", result
     assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
     finish(load)
     held, acked = held_ids(topology, "east", "EVS"), acked_ids(tmp_path / "ledger")
-    assert len(held) == len(set(held)) and set(held) == acked and len(acked) > 2000, (len(held), len(acked))
+    assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 2000, (len(held), len(acked))
     ferry("node", "stop", "east-1", topology=topology, check=True)
     helpers.wait_for(lambda: _haproxy(secure)["east-1"]["status"] == "UP", 15, "HAProxy to take east-1 back")
 
 
-def test_no_secret_reaches_any_output_or_the_journal(secure: lab.LabState, plain_auth: dict[str, Any]) -> None:
+def _cmdlines_while(proc: subprocess.Popen, timeout: float) -> set[str]:
+    """Every process's command line, read every 0.2 s until `proc` exits."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the job did not finish"
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                seen.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        time.sleep(0.2)
+    return seen
+
+
+@pytest.mark.spark
+def test_no_secret_reaches_any_output_or_the_journal(
+    secure: lab.LabState, plain_auth: dict[str, Any], tmp_path: Path
+) -> None:
     """The users' JWTs and seeds, the client's private key, the token: in none of this module's
     outputs, nor in any key-value bucket (the journal) of the secure lab's account, nor in the
-    logs of its `ferry serve` and HAProxy."""
+    logs of its `ferry serve` and HAProxy; nor, for a snapshot and an audit run here, in any
+    process's command line while it ran (Spark's JVM and workers included), its Spark log or the
+    audit's HTML report."""
+    topology = secure.path / "topology.yaml"
+    ledger = tmp_path / "ledger"
+    asyncio.run(make_stream(load_topology(topology), "west", "SNAPSEC", ["snapsec.>"], placement="west"))
+    r = ferry("load", "jetstream://west", "--subject", "snapsec.{n}", "--count", "50", "--ledger", str(ledger),
+              topology=topology)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = ["snapshot", "jetstream://west/SNAPSEC", "--out", str(tmp_path / "snap")]
+    snap = subprocess.Popen([*helpers.FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmdlines = _cmdlines_while(snap, 300)
+    out, err = snap.communicate()
+    assert snap.returncode == 0, err[-2000:]
+    assert any("org.apache.spark" in c for c in cmdlines) and any("pyspark" in c for c in cmdlines)  # seen running
+    html = tmp_path / "audit.html"
+    r = ferry("audit", "--ledger", str(ledger), "--tier", f"w={tmp_path / 'snap'}", "--html", str(html),
+              topology=topology, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    spark = Path(tempfile.gettempdir()) / f"ferry-spark-{os.getuid()}" / f"{snap.pid}.log"
+    job = [*cmdlines, out, err, spark.read_text(errors="replace"), html.read_text()]
+
     secrets = list(plain_auth["secrets"])
     for creds in (secure.path / "secrets").glob("*.creds"):
         secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
@@ -504,6 +625,6 @@ def test_no_secret_reaches_any_output_or_the_journal(secure: lab.LabState, plain
     kept = asyncio.run(journal())
     assert kept, "the move kept no journal record"
     logs = [Path(secure.proc(name).log).read_text(errors="replace") for name in ("ferry-serve", "haproxy")]
-    for text in OUTPUTS + kept + logs:
+    for text in OUTPUTS + kept + logs + job:
         leaked = [i for i, s in enumerate(secrets) if s in text]
         assert not leaked, f"secrets number {leaked} in: {' '.join(text.split())[:300]}"

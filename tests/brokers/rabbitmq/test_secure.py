@@ -180,6 +180,31 @@ def test_bad_tls_settings_get_one_line_and_change_nothing(
     assert asyncio.run(absent()) is None
 
 
+@pytest.mark.spark
+@pytest.mark.connect
+def test_a_brokers_own_tls_settings_override_its_clusters(secure_rabbit_dr: lab.LabState, tmp_path: Path) -> None:
+    """Every cluster's tls names another CA (refused above) and each broker's own tls the lab's:
+    the management API, aio-pika and the queue mover's raw client dial each node with its own."""
+    good = secure_rabbit_dr.path / "topology.yaml"
+    asyncio.run(make_queues(load_topology(good), "pc1", "/", ["tls-own"], set()))
+    sent = load(good, "pc1", "tls-own", tmp_path / "ledger", 1000)
+    doc = yaml.safe_load(good.read_text())
+    for site in doc["sites"].values():
+        for cluster in site["clusters"].values():
+            lab_ca = cluster["tls"]["ca_file"]
+            cluster["tls"]["ca_file"] = _other_ca(tmp_path)
+            for b in cluster["brokers"]:
+                b["tls"] = {"ca_file": lab_ca}
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(yaml.safe_dump(doc))
+    r = ferry(
+        "copy", "rabbitmq://pc1/%2F/tls-own", "rabbitmq://ltm/%2F/tls-own", "--create", "--json", topology=topology
+    )
+    assert r.returncode == 0 and json.loads(r.stdout)["stored"] == 1000, r.stderr[-2000:]
+    held = held_ids(good, "ltm", "tls-own")
+    assert len(held) == len(set(held)) == 1000 and set(held) == sent
+
+
 async def _upstream(topo: Any, cluster: str) -> Any:
     async with Management(topo.rabbitmq(cluster), name=cluster) as m:
         return await m.get("/parameters/federation-upstream/%2F/art")

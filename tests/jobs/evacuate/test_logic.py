@@ -94,7 +94,7 @@ def test_availability_from_journal_states() -> None:
 
 
 def test_haproxy_config_checks_node_and_ferry() -> None:
-    cfg = render([Frontend("nats_east", "*:4222", [("east-1", "10.0.0.1:4222", 8222)])], "127.0.0.1:8377")
+    cfg = render([Frontend("nats_east", "*:4222", [("east-1", "10.0.0.1:4222", 8222, "")])], "127.0.0.1:8377")
     assert "server east-1 10.0.0.1:4222 check addr 10.0.0.1 port 8222" in cfg
     assert "uri-lf /availability_check?node=%[srv_name]" in cfg
     assert "http-check connect addr 127.0.0.1 port 8377" in cfg

@@ -16,30 +16,68 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ferry.brokers.base import tls_error
-from ferry.errors import ConfigError
-from ferry.topology import Credentials, NatsCluster
+from ferry.errors import ConfigError, Unreadable
+from ferry.topology import Credentials, NatsBroker, NatsCluster, Tls, broker_tls
 
-__all__ = ["client_options", "connect_fields", "jwt_expired", "tls_context", "tls_error"]
+__all__ = [
+    "broker_at",
+    "client_options",
+    "connect_fields",
+    "jwt_expired",
+    "tls_context",
+    "tls_error",
+    "tls_for",
+    "tls_groups",
+]
 
 
-def tls_context(cluster: NatsCluster) -> ssl.SSLContext | None:
-    """The TLS context for `cluster`: from its ``tls`` block, else a default verifying one when
-    its URLs say ``tls://``, else None (plaintext, unless a server asks for TLS: then the
-    default)."""
-    if cluster.tls:
-        return cluster.tls.context()
+def broker_at(cluster: NatsCluster, url: str) -> NatsBroker | None:
+    """The topology's broker whose client or monitoring URL has `url`'s host and port."""
+    at = urlsplit(url)
+    for b in cluster.brokers:
+        for mine in filter(None, (b.url, b.monitor_url)):
+            if (urlsplit(mine).hostname, urlsplit(mine).port) == (at.hostname, at.port):
+                return b
+    return None
+
+
+def tls_for(cluster: NatsCluster, url: str | None = None) -> Tls | None:
+    """The TLS block ferry dials `url` with (default: the cluster's first broker): the cluster's,
+    with the broker's own fields over it (a URL of no broker, say a load balancer's: the cluster's)."""
+    if url is None:
+        return broker_tls(cluster)
+    broker = broker_at(cluster, url)
+    return broker_tls(cluster, broker) if broker else cluster.tls
+
+
+def tls_context(cluster: NatsCluster, url: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context for dialling `url` (default: the cluster's first broker): from its TLS block
+    (:func:`tls_for`), else a default verifying one when the cluster's URLs say ``tls://``, else
+    None (plaintext, unless a server asks for TLS: then the default)."""
+    if tls := tls_for(cluster, url):
+        return tls.context()
     if any(urlsplit(u).scheme == "tls" for u in cluster.urls):
         return ssl.create_default_context()
     return None
 
 
-def client_options(cluster: NatsCluster, creds: Credentials | None) -> dict[str, Any]:
-    """nats-py's connect() options for these credentials and the cluster's TLS."""
+def tls_groups(cluster: NatsCluster, urls: list[str]) -> list[list[str]]:
+    """`urls` in groups that take the same TLS settings, in order: nats-py dials every server of a
+    connection with one context and one ``tls_hostname``."""
+    groups: dict[Tls | None, list[str]] = {}
+    for url in urls:
+        groups.setdefault(tls_for(cluster, url), []).append(url)
+    return list(groups.values())
+
+
+def client_options(cluster: NatsCluster, creds: Credentials | None, url: str | None = None) -> dict[str, Any]:
+    """nats-py's connect() options for these credentials and the TLS of the broker at `url`
+    (default: the cluster's first)."""
     options: dict[str, Any] = {}
-    if ctx := tls_context(cluster):
+    if ctx := tls_context(cluster, url):
         options["tls"] = ctx
-        if cluster.tls and cluster.tls.server_name:
-            options["tls_hostname"] = cluster.tls.server_name
+        if (tls := tls_for(cluster, url)) and tls.server_name:
+            options["tls_hostname"] = tls.server_name
     if creds is None:
         return options
     if creds.user:
@@ -76,7 +114,7 @@ def _key(creds: Credentials) -> tuple[str | None, Any]:
     import nkeys
 
     if problem := creds.missing():
-        raise ConfigError(f"credentials: {problem}")
+        raise Unreadable(f"credentials: {problem}")
     if creds.creds_file:
         jwt, seed = _read_creds(creds)
     else:

@@ -44,7 +44,7 @@ from ferry.brokers.base import (
 )
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
-from ferry.topology import NatsCluster
+from ferry.topology import NatsCluster, Tls
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
 
@@ -95,6 +95,14 @@ async def connect(
     denied: deque[str] = deque(maxlen=100)  # so the next attempt's connection reset may follow its -ERR
 
     servers = urls or cluster.urls
+    if len(groups := auth.tls_groups(cluster, servers)) > 1:  # brokers with TLS settings of their own
+        failed: BrokerUnavailable | None = None
+        for group in groups:  # the first group that answers (a refused login is not tried again)
+            try:
+                return await connect(cluster, name=name, system=system, urls=group, timeout=timeout, **options)
+            except BrokerUnavailable as exc:
+                failed = exc
+        raise failed  # type: ignore[misc]
     # a failed TLS handshake: nats-py reports the first one only and then waits out the timeout
     refused_tls = asyncio.Event()
 
@@ -115,7 +123,7 @@ async def connect(
         "error_cb": on_error,
         **options,
     }
-    kwargs |= auth.client_options(cluster, creds)
+    kwargs |= auth.client_options(cluster, creds, servers[0])
     who = f"cluster {name!r}" if name else f"NATS at {redact(servers[0])}"
     try:
         nc = await _first(nats.connect(**kwargs), refused_tls, timeout)
@@ -243,10 +251,12 @@ async def monitor_get(
 async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
     """Every endpoint of every broker: client (app account), system account, monitor, MQTT; for
     each the TLS session (version, certificate, expiry) and who the server says ferry is."""
-    ctx = auth.tls_context(cluster)
-    server_name = cluster.tls.server_name if cluster.tls else None
+
+    def tls_of(url: str) -> tuple[ssl.SSLContext | None, str | None]:
+        return auth.tls_context(cluster, url), (auth.tls_for(cluster, url) or Tls()).server_name
 
     async def client(url: str, system: bool) -> Answer:
+        ctx, server_name = tls_of(url)
         async with session(
             cluster, name=name, urls=[url], system=system, timeout=3, max_reconnect_attempts=1, allow_reconnect=False
         ) as nc:
@@ -258,6 +268,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
         return Answer(f"{info.get('server_name', '?')} v{info.get('version', '?')}", tls, identity, warnings)
 
     async def monitor(url: str) -> Answer:
+        ctx, server_name = tls_of(url)
         varz = await monitor_get(url, "varz", timeout=3, tls=ctx)
         js = "JetStream on" if varz.get("jetstream", {}).get("config") else "JetStream off"
         answer = Answer(f"{varz.get('server_name')} {varz.get('connections', 0)} conns, {js}")

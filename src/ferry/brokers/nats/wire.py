@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.headers import encode_headers, parse_headers
-from ferry.topology import NatsCluster
+from ferry.topology import NatsCluster, Tls
 
 __all__ = ["Msg", "Wire", "wire"]
 
@@ -98,7 +98,6 @@ class Wire:
     ) -> None:
         self.cluster, self.name, self.client_name = cluster, name, client_name
         self.urls = urls or cluster.urls  # e.g. a load balancer's address instead of the servers'
-        self._tls = auth.tls_context(cluster)
         self._subs: dict[int, _Sub] = {}
         self._next_sid = 0
         self._out: list[bytes] = []
@@ -268,11 +267,13 @@ class Wire:
             if not line.startswith(b"INFO "):
                 raise BrokerUnavailable(f"{self.name}: {url} did not greet with INFO")
             info = json.loads(line[5:])
-            tls = self._tls or (ssl.create_default_context() if info.get("tls_required") else None)
+            tls = auth.tls_context(self.cluster, url) or (
+                ssl.create_default_context() if info.get("tls_required") else None
+            )
             if tls and not info.get("tls_required") and not info.get("tls_available"):
                 raise ConfigError(f"cluster {self.name!r}: {url}: TLS asked for, but the server does not speak it")
             if tls:  # NATS greets in plaintext, then the client starts TLS
-                server_name = (self.cluster.tls and self.cluster.tls.server_name) or parts.hostname
+                server_name = (auth.tls_for(self.cluster, url) or Tls()).server_name or parts.hostname
                 try:
                     await writer.start_tls(tls, server_hostname=server_name)
                 except ssl.SSLError as exc:

@@ -27,7 +27,7 @@ from pamqp import constants as _pamqp_constants
 
 from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe, tls_cause, tls_session
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, NotFound, redact
-from ferry.topology import RabbitBroker, RabbitCluster, Topology
+from ferry.topology import RabbitBroker, RabbitCluster, Topology, broker_tls
 
 __all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
 
@@ -77,7 +77,7 @@ class Management:
         creds = cluster.credentials
         self.user = creds.user if creds else ""
         auth = (creds.user, creds.password() or "") if creds else None
-        verify = tls_context(cluster) or True
+        verify = tls_context(cluster, self.broker) or True
         url = f"{self.broker.management_url}/api"
         self._http = httpx.AsyncClient(base_url=url, auth=auth, timeout=timeout, verify=verify)
 
@@ -177,7 +177,7 @@ async def amqp_connect(
         "port": parts.port,
         "virtualhost": vhost,
         "ssl": parts.scheme == "amqps",
-        "ssl_context": tls_context(cluster),
+        "ssl_context": tls_context(cluster, broker),
         "timeout": timeout,
         "client_properties": {"connection_name": name},
     }
@@ -212,15 +212,17 @@ async def amqp_connect(
 def certificate_hint(cluster: RabbitCluster, broker: RabbitBroker, reset: bool) -> str | None:
     """Why an amqps connection was `reset` in its handshake when ferry showed no client certificate:
     a broker that requires one rejects it with an alert that the reset often overtakes."""
-    if reset and broker.url.startswith("amqps:") and not (cluster.tls and cluster.tls.cert_file):
+    if reset and broker.url.startswith("amqps:") and not ((tls := broker_tls(cluster, broker)) and tls.cert_file):
         return "reset in the TLS handshake: does the broker require a client certificate? (tls.cert_file and key_file)"
     return None
 
 
-def tls_context(cluster: RabbitCluster) -> ssl.SSLContext | None:
-    """The TLS context of `cluster`'s ``amqps://`` and ``https://`` endpoints: from its ``tls`` block
-    (a private CA, a client certificate), else None (the system's CAs)."""
-    return cluster.tls.context() if cluster.tls else None
+def tls_context(cluster: RabbitCluster, broker: RabbitBroker | None = None) -> ssl.SSLContext | None:
+    """The TLS context of a broker's ``amqps://`` and ``https://`` endpoints (default: the
+    cluster's first broker): from its cluster's ``tls`` block with the broker's own over it (a
+    private CA, a client certificate), else None (the system's CAs)."""
+    tls = broker_tls(cluster, broker)
+    return tls.context() if tls else None
 
 
 def _close_reply(exc: BaseException) -> str | None:
@@ -231,12 +233,11 @@ def _close_reply(exc: BaseException) -> str | None:
 async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
     """Every endpoint of every broker: AMQP, management API, MQTT."""
 
-    ctx = tls_context(cluster) or ssl.create_default_context()
-
     async def amqp(b: RabbitBroker) -> Answer:
         conn = await amqp_connect(cluster, b, timeout=3)
         props = conn.transport.connection.server_properties if conn.transport else {}
         await conn.close()
+        ctx = tls_context(cluster, b) or ssl.create_default_context()
         tls = await tls_session(b.url, ctx) if b.url.startswith("amqps:") else None
         return Answer(f"RabbitMQ {props.get('version', '?')}", tls)
 
@@ -247,6 +248,7 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         tags = me.get("tags") or []
         tags = ",".join(tags) if isinstance(tags, list) else str(tags)
         identity = f"user {me.get('name')} (tags {tags or '-'})"
+        ctx = tls_context(cluster, b) or ssl.create_default_context()
         tls = await tls_session(b.management_url, ctx) if b.management_url.startswith("https:") else None
         return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", tls, identity)
 

@@ -500,7 +500,7 @@ async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name:
             "" if cluster.x509_login else (creds.password() if creds else None) or "guest",
             vhost,
             name=name or b.name,
-            tls=(tls_context(cluster) or ssl.create_default_context()) if amqps else None,
+            tls=(tls_context(cluster, b) or ssl.create_default_context()) if amqps else None,
         )
     except BrokerUnavailable as exc:
         if why := certificate_hint(cluster, b, reset="ConnectionResetError" in str(exc)):

@@ -25,7 +25,7 @@ from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
 from ferry.jobs.copy.plan import CopyPlan
 from ferry.schema import SPARK_DDL
 from ferry.spark.jetstream import stream_frame
-from ferry.spark.options import COUNTS_DDL, iterate, per_index
+from ferry.spark.options import COUNTS_DDL, iterate, on_executor, per_index
 from ferry.spark.session import spark_error
 from ferry.spark.tasks import cores, is_connect, per_task, run_moves, write_parquet
 from ferry.topology import RabbitCluster, Topology
@@ -120,10 +120,11 @@ def _write_options(topology: Topology, dst: Endpoint, plan: CopyPlan, tasks: int
 
 def _writer_fn(spec: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        if spec["kind"] == "jetstream":
-            counts = asyncio.run(jetstream_writer.write_batches(spec["cfg"], batches))
-        else:
-            counts = asyncio.run(queue_io.write_rows(spec["cfg"], batches))
+        with on_executor():
+            if spec["kind"] == "jetstream":
+                counts = asyncio.run(jetstream_writer.write_batches(spec["cfg"], batches))
+            else:
+                counts = asyncio.run(queue_io.write_rows(spec["cfg"], batches))
         yield counts.as_batch()
 
     return write

@@ -41,7 +41,7 @@ from ferry.jobs.shared.events import Emit, no_emit
 from ferry.jobs.shared.metrics import serve_metrics
 from ferry.journal import Lease, process_start
 from ferry.spark.jetstream import stream_frame
-from ferry.spark.options import COUNTS_DDL
+from ferry.spark.options import COUNTS_DDL, on_executor
 from ferry.spark.session import spark_error
 from ferry.topology import NatsCluster, Topology
 
@@ -89,7 +89,9 @@ def catch_up(spark: Any, topo: Topology, rep: Replication, stream: str, lo: int,
     cfg = _write_cfg(topo, rep)
 
     def write(batches: Any) -> Any:
-        yield asyncio.run(write_batches(cfg, batches)).as_batch()
+        with on_executor():
+            counts = asyncio.run(write_batches(cfg, batches))
+        yield counts.as_batch()
 
     todo = _source_frame(spark, topo, rep, stream, lo, hi).join(have, "source_seq", "left_anti")
     rows = todo.orderBy("source_seq").coalesce(1).mapInArrow(write, COUNTS_DDL).collect()

@@ -29,10 +29,16 @@ class NatsNodes(Nodes):
         self.name, self.cluster = name, cluster
         self.brokers = {b.name: b for b in cluster.brokers}
         self.avoid = avoid
-        self.tls = bnats_auth.tls_context(cluster)  # for the monitoring endpoints over HTTPS
-        self.nc: Client | None = None
+        self.nc: Client | None = None  # the default account's: the journal
         self.sysnc: Client | None = None
-        self.account = ""
+        # ferry's connection in each account of the topology, by the account's id and by its name (jsz
+        # names assets' accounts by name: in operator mode the JWT's, its id is the public key)
+        self.by_account: dict[str, Client] = {}
+        self.account_id: dict[str, str] = {}  # account name -> id, for the monitoring endpoints' queries
+
+    def _tls(self, url: str | None) -> Any:
+        """The TLS context for a server's monitoring endpoint over HTTPS (its broker's settings)."""
+        return bnats_auth.tls_context(self.cluster, url)
 
     async def __aenter__(self) -> NatsNodes:
         opts = {"name": self.name, "urls": [b.url for b in self.reach_order()], "dont_randomize": True}
@@ -41,15 +47,32 @@ class NatsNodes(Nodes):
             self.sysnc = await bnats.connect(
                 self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
             )
-            info = await bnats.sys_request(self.nc, "$SYS.REQ.USER.INFO", timeout=5)
-            self.account = ((info.get("data") or {}).get("account")) or ""
+            await self._in_account(self.nc)
+            for account in self.cluster.accounts:  # their leaders move too, asked in their own account
+                cluster = self.cluster.in_account(account, self.name)
+                await self._in_account(
+                    await bnats.connect(cluster, client_name=f"{CONTROL}-{self.name}-{account}", **opts)
+                )
         except BaseException:
-            await self.nc.close()
+            await self.__aexit__()
             raise
         return self
 
+    async def _in_account(self, nc: Client) -> None:
+        """Keep `nc` as ferry's connection in the account the server says it is in."""
+        try:
+            info = await bnats.sys_request(nc, "$SYS.REQ.USER.INFO", timeout=5)
+        except BaseException:
+            await nc.close()
+            raise
+        data = info.get("data") or {}
+        account = data.get("account") or ""
+        name = data.get("account_name") or account
+        self.by_account[account] = self.by_account[name] = nc
+        self.account_id[name] = account
+
     async def __aexit__(self, *exc: object) -> None:
-        for c in (self.nc, self.sysnc):
+        for c in {self.nc, self.sysnc, *self.by_account.values()}:
             if c:
                 with contextlib.suppress(Exception):
                     await c.close()
@@ -62,14 +85,14 @@ class NatsNodes(Nodes):
             return v
         try:
             connz = await bnats.monitor_get(
-                b.monitor_url, "connz", timeout=3, tls=self.tls, auth="true", limit=1_000_000
+                b.monitor_url, "connz", timeout=3, tls=self._tls(b.monitor_url), auth="true", limit=1_000_000
             )
             jsz = (
                 await bnats.monitor_get(
                     b.monitor_url,
                     "jsz",
                     timeout=3,
-                    tls=self.tls,
+                    tls=self._tls(b.monitor_url),
                     accounts="true",
                     streams="true",
                     consumers="true",
@@ -109,7 +132,7 @@ class NatsNodes(Nodes):
         return KvJournal(self.nc, key, stale_after=STALE_AFTER, replicas=min(3, len(self.brokers)))
 
     def movable(self, a: Asset) -> bool:
-        return a.account == self.account and len(a.peers) > 1
+        return a.account in self.by_account and len(a.peers) > 1
 
     async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
         """Each leader steps down towards its preferred peer, else wherever its group chooses; '' or the error."""
@@ -129,7 +152,6 @@ class NatsNodes(Nodes):
 
     async def step_down(self, a: Asset, preferred: str | None) -> str:
         """Ask the group's leader to hand over (to `preferred` when given); '' or the error."""
-        assert self.nc
         subject = (
             f"$JS.API.CONSUMER.LEADER.STEPDOWN.{a.stream}.{a.consumer}"
             if a.consumer
@@ -137,14 +159,14 @@ class NatsNodes(Nodes):
         )
         body = {"placement": {"preferred": preferred}} if preferred else b""
         try:
-            r = await bnats.sys_request(self.nc, subject, body, timeout=3)
+            r = await bnats.sys_request(self.by_account[a.account], subject, body, timeout=3)
         except BrokerUnavailable as exc:
             return str(exc)
         return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
 
     def single(self, a: Asset, node: str) -> bool:
         """A one-replica stream on `node` (in an account ferry can manage)."""
-        return a.consumer is None and a.account == self.account and a.peers == [node]
+        return a.consumer is None and a.account in self.by_account and a.peers == [node]
 
     async def move_single(self, a: Asset, node: str, catch_up_s: float = 120.0) -> tuple[str, bool]:
         """Move a one-replica stream off `node` without a moment where its only copy is gone: it is
@@ -154,8 +176,7 @@ class NatsNodes(Nodes):
 
         ('' or the error, whether to try again later): a scale-up refused for good (the stream's
         placement allows no other server) changed nothing and is not tried again."""
-        assert self.nc
-        nc, api = self.nc, f"$JS.API.STREAM.%s.{a.stream}"
+        nc, api = self.by_account[a.account], f"$JS.API.STREAM.%s.{a.stream}"
         clock = asyncio.get_running_loop().time
         deadline, asked = clock() + catch_up_s, -10.0
         try:
@@ -198,7 +219,12 @@ class NatsNodes(Nodes):
         try:
             before = await self._copy(a, origin)
             await bnats.monitor_get(
-                self.brokers[server].monitor_url, "healthz", timeout=3, tls=self.tls, account=a.account, stream=a.stream
+                self.brokers[server].monitor_url,
+                "healthz",
+                timeout=3,
+                tls=self._tls(self.brokers[server].monitor_url),
+                account=self.account_id.get(a.account, a.account),
+                stream=a.stream,
             )
             there = await self._copy(a, server)
         except (FerryError, httpx.HTTPError):
@@ -221,8 +247,8 @@ class NatsNodes(Nodes):
             self.brokers[server].monitor_url,
             "jsz",
             timeout=3,
-            tls=self.tls,
-            acc=a.account,
+            tls=self._tls(self.brokers[server].monitor_url),
+            acc=self.account_id.get(a.account, a.account),
             accounts="true",
             streams="true",
             consumers="true",
@@ -242,9 +268,11 @@ class NatsNodes(Nodes):
         return None
 
     async def peer_remove(self, a: Asset, node: str) -> str:
-        assert self.nc
+        if a.account not in self.by_account:
+            return f"no credentials for account {a.account} in the topology"
+        nc = self.by_account[a.account]
         try:
-            r = await bnats.sys_request(self.nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
+            r = await bnats.sys_request(nc, f"$JS.API.STREAM.PEER.REMOVE.{a.stream}", {"peer": node}, timeout=5)
         except BrokerUnavailable as exc:
             return str(exc)
         return (r.get("error") or {}).get("description", "") if not r.get("success") else ""
