@@ -339,6 +339,19 @@ def test_an_nkey_user_and_a_token_reach_the_control_and_data_planes(plain_auth: 
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
         f"error: cluster 'tok': authorization violation for token in {d / 'wrong-token'}"
     ], r.stderr
+    # TLS asked of a plaintext server: refused before ferry sends its credentials (nats-py would
+    # have sent them in plaintext: it starts TLS only when the server requires it)
+    tls = d / "tls.yaml"
+    tok = f"tls://127.0.0.1:{plain_auth['token_port']}"
+    tls.write_text(topology.read_text().replace(f"nats://127.0.0.1:{plain_auth['token_port']}", tok))
+    for args in (
+        ["stream", "info", "AUTH", "--cluster", "tok"],
+        ["load", "jetstream://tok", "--subject", "auth.x{n}", "--count", "1", "--ledger", str(d / "ledger-x")],
+    ):
+        r = ferry(*args, topology=tls)
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+            f"error: cluster 'tok': {tok}: TLS asked for, but the server does not speak TLS; nothing was sent"
+        ], r.stderr[-2000:]
 
 
 def test_topology_check_shows_tls_and_identity_and_warns_before_certificates_expire(

@@ -25,6 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import nats
@@ -125,6 +126,8 @@ async def connect(
     }
     kwargs |= auth.client_options(cluster, creds, servers[0])
     who = f"cluster {name!r}" if name else f"NATS at {redact(servers[0])}"
+    if "tls" in kwargs:
+        await _refuse_plaintext(who, servers, timeout)
     try:
         nc = await _first(nats.connect(**kwargs), refused_tls, timeout)
         _DENIED[nc] = denied
@@ -144,6 +147,35 @@ async def connect(
         raise BrokerUnavailable(
             f"{who}: no server answered at {', '.join(kwargs['servers'])} within {timeout:.0f}s ({detail})"
         ) from None
+
+
+async def _refuse_plaintext(who: str, servers: list[str], timeout: float) -> None:
+    """nats-py starts TLS only when the server requires it, and sends its CONNECT (the credentials)
+    in plaintext to one that merely offers it, or does not speak it: when ferry asks for TLS, each
+    server's INFO is read first, and one that does not require TLS is refused."""
+
+    async def info(url: str) -> dict[str, Any] | None:
+        parts = urlsplit(url)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 4222), timeout
+            )
+        except (OSError, TimeoutError):
+            return None  # not answering: nats-py says so in its own words
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout)
+            return json.loads(line[5:]) if line.startswith(b"INFO ") else None
+        except (OSError, TimeoutError, ValueError):
+            return None
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    for url, got in zip(servers, await asyncio.gather(*map(info, servers)), strict=True):
+        if got is not None and not got.get("tls_required"):
+            offered = "offers TLS but does not require it" if got.get("tls_available") else "does not speak TLS"
+            raise ConfigError(f"{who}: {redact(url)}: TLS asked for, but the server {offered}; nothing was sent")
 
 
 async def _first(connecting: Awaitable[Client], give_up: asyncio.Event, timeout: float) -> Client:
