@@ -256,3 +256,18 @@ def test_topology_check_probes_and_reports_wrong_password(rabbit_dr: lab.LabStat
     assert result.exit_code == 1
     report = json.loads(result.output)
     assert any("refused" in p and "not-the-password" not in p for p in report["problems"])
+
+
+def test_amqps_to_a_plaintext_port_is_one_line(rabbit_dr: lab.LabState, tmp_path: Path) -> None:
+    """TLS asked of RabbitMQ's plaintext AMQP port: refused in one line naming TLS, nothing moved."""
+    path = rabbit_dr.path / "topology.yaml"
+    tls = tmp_path / "tls.yaml"
+    tls.write_text(path.read_text().replace("amqp://", "amqps://"))
+    r = subprocess.run(
+        [*FERRY, "copy", "rabbitmq://ltm/%2F/nope-*", "rabbitmq://pc1/%2F"],
+        env={**os.environ, "FERRY_TOPOLOGY": str(tls)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "TLS" in r.stderr, r.stderr
