@@ -560,16 +560,21 @@ def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab
     helpers.wait_for(lambda: checks() == dict.fromkeys(NODES, "L7OK"), 20, "HAProxy's checks over TLS to pass")
     load = start_load(topology, "jetstream://east", "evs.{n}", tmp_path / "ledger", 12, "--producers", "30",
                       "--url", secure.lb["clusters"]["east"]["nats"])  # fmt: skip
-    helpers.wait_for(lambda: int(_haproxy(secure)["east-1"]["scur"]) >= 5, 30, "clients on east-1 through HAProxy")
-    args = ["node", "evacuate", "east-1", "--wait-health-check", "3", "--conn-evict-rate", "50"]
-    r = ferry(*args, "--wait-takeover", "1", "--json", topology=topology)
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(r.stdout)
-    assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
-    # the second account's leader moved too, asked as ferry's user in that account (its replica stays: no spare)
-    assert asyncio.run(stream_leader(sales, "east", "EVSALES")) != "east-1", result
-    assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
-    finish(load)
+    try:
+        helpers.wait_for(lambda: int(_haproxy(secure)["east-1"]["scur"]) >= 5, 30, "clients on east-1 through HAProxy")
+        args = ["node", "evacuate", "east-1", "--wait-health-check", "3", "--conn-evict-rate", "50"]
+        r = ferry(*args, "--wait-takeover", "1", "--json", topology=topology)
+        assert r.returncode == 0, r.stderr[-2000:]
+        result = json.loads(r.stdout)
+        assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
+        # the second account's leader moved too, asked as ferry's user in that account (its replica stays: no spare)
+        assert asyncio.run(stream_leader(sales, "east", "EVSALES")) != "east-1", result
+        assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
+        finish(load)
+    finally:  # a failed assertion leaves no load running after the test
+        if load.poll() is None:
+            load.kill()
+            load.wait(timeout=30)
     held, acked = held_ids(topology, "east", "EVS"), acked_ids(tmp_path / "ledger")
     assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 2000, (len(held), len(acked))
     ferry("node", "stop", "east-1", topology=topology, check=True)

@@ -24,6 +24,7 @@ __all__ = [
     "client_options",
     "connect_fields",
     "jwt_expired",
+    "server_name",
     "tls_context",
     "tls_error",
     "tls_for",
@@ -48,6 +49,13 @@ def tls_for(cluster: NatsCluster, url: str | None = None) -> Tls | None:
         return broker_tls(cluster)
     broker = broker_at(cluster, url)
     return broker_tls(cluster, broker) if broker else cluster.tls
+
+
+def server_name(cluster: NatsCluster, url: str | None = None) -> str | None:
+    """The name the certificate at `url` must carry, when it is not the host dialled (its TLS block's
+    ``server_name``), else None."""
+    tls = tls_for(cluster, url)
+    return tls.server_name if tls else None
 
 
 def tls_context(cluster: NatsCluster, url: str | None = None) -> ssl.SSLContext | None:
@@ -76,8 +84,8 @@ def client_options(cluster: NatsCluster, creds: Credentials | None, url: str | N
     options: dict[str, Any] = {}
     if ctx := tls_context(cluster, url):
         options["tls"] = ctx
-        if (tls := tls_for(cluster, url)) and tls.server_name:
-            options["tls_hostname"] = tls.server_name
+        if name := server_name(cluster, url):
+            options["tls_hostname"] = name
     if creds is None:
         return options
     if creds.user:

@@ -45,7 +45,7 @@ from ferry.brokers.base import (
 )
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
-from ferry.topology import NatsCluster, Tls
+from ferry.topology import NatsCluster
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
 
@@ -285,7 +285,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
     each the TLS session (version, certificate, expiry) and who the server says ferry is."""
 
     def tls_of(url: str) -> tuple[ssl.SSLContext | None, str | None]:
-        return auth.tls_context(cluster, url), (auth.tls_for(cluster, url) or Tls()).server_name
+        return auth.tls_context(cluster, url), auth.server_name(cluster, url)
 
     async def client(url: str, system: bool) -> Answer:
         ctx, server_name = tls_of(url)

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError
 from ferry.headers import encode_headers, parse_headers
-from ferry.topology import NatsCluster, Tls
+from ferry.topology import NatsCluster
 
 __all__ = ["Msg", "Wire", "wire"]
 
@@ -273,7 +273,7 @@ class Wire:
             if tls and not info.get("tls_required") and not info.get("tls_available"):
                 raise ConfigError(f"cluster {self.name!r}: {url}: TLS asked for, but the server does not speak it")
             if tls:  # NATS greets in plaintext, then the client starts TLS
-                server_name = (auth.tls_for(self.cluster, url) or Tls()).server_name or parts.hostname
+                server_name = auth.server_name(self.cluster, url) or parts.hostname
                 try:
                     await writer.start_tls(tls, server_hostname=server_name)
                 except ssl.SSLError as exc:

@@ -29,7 +29,7 @@ from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_prob
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster, Topology, broker_tls
 
-__all__ = ["Management", "Rabbit", "amqp_connect", "amqp_uri", "probe", "q"]
+__all__ = ["Management", "Rabbit", "amqp_connect", "amqp_login", "amqp_uri", "probe", "q"]
 
 
 # pamqp (under aio-pika and ferry's raw frames) refuses queue and exchange names outside
@@ -126,12 +126,22 @@ class Management:
         return await self.request("DELETE", path, ok404=ok404, timeout=timeout)
 
 
+def amqp_login(cluster: RabbitCluster) -> tuple[str, str] | None:
+    """ferry's (user, password) for an AMQP PLAIN login to `cluster`; None when its client
+    certificate logs in (``x509_login``, SASL EXTERNAL)."""
+    if cluster.x509_login:
+        return None
+    creds = cluster.credentials
+    return (creds.user if creds else None) or "guest", (creds.password() if creds else None) or "guest"
+
+
 def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
     """The URI by which a node of cluster `dialer` reaches cluster `target`'s first broker in
     `vhost` (a shovel's destination, a federation upstream), with ferry's credentials there. To an
     ``amqps://`` broker it carries the TLS files of the dialer's ``outbound_tls`` (paths on the
     dialer's nodes) and ``verify=verify_peer``. It carries the password: never print it."""
-    cluster, parts = topo.rabbitmq(target), urlsplit(topo.rabbitmq(target).brokers[0].url)
+    cluster = topo.rabbitmq(target)
+    parts = urlsplit(cluster.brokers[0].url)
     query, tls = "", None
     if parts.scheme == "amqps":  # without cacertfile and verify_peer RabbitMQ would dial it unverified: refuse
         tls = topo.rabbitmq(dialer).outbound_tls
@@ -146,16 +156,15 @@ def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
         # certificate's IP names; a server_name_indication would be matched as a DNS name)
         query = "?" + "&".join([f"{k}={quote(v, safe='/')}" for k, v in files.items() if v] + ["verify=verify_peer"])
     host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
-    if cluster.x509_login:  # the dialling node's certificate logs in: no password in the URI
+    login = amqp_login(cluster)
+    if login is None:  # the dialling node's certificate logs in: no password in the URI
         if not (tls and tls.cert_file):
             raise ConfigError(
                 f"{dialer}: {target} takes certificate logins only (x509_login): give {dialer}'s outbound_tls "
                 "a cert_file and key_file (on its nodes)"
             )
         return f"{parts.scheme}://{host}:{parts.port}/{q(vhost)}{query}&auth_mechanism=external"
-    creds = cluster.credentials
-    user = quote(creds.user if creds else "guest", safe="")
-    password = quote((creds.password() if creds else None) or "guest", safe="")
+    user, password = (quote(x, safe="") for x in login)
     return f"{parts.scheme}://{user}:{password}@{host}:{parts.port}/{q(vhost)}{query}"
 
 
@@ -170,7 +179,6 @@ async def amqp_connect(
 ) -> aio_pika.abc.AbstractConnection:
     """An AMQP connection to one broker of `cluster` (the first by default)."""
     broker = broker or cluster.brokers[0]
-    creds = cluster.credentials
     parts = urlsplit(broker.url)
     kwargs: dict[str, Any] = {
         "host": parts.hostname,
@@ -181,16 +189,15 @@ async def amqp_connect(
         "timeout": timeout,
         "client_properties": {"connection_name": name},
     }
-    if cluster.x509_login:  # SASL EXTERNAL: the client certificate is the login
+    if (login := amqp_login(cluster)) is None:  # SASL EXTERNAL: the client certificate is the login
         kwargs["auth"] = "external"
     else:
-        kwargs["login"] = creds.user if creds else "guest"
-        kwargs["password"] = (creds.password() if creds else None) or "guest"
+        kwargs["login"], kwargs["password"] = login
     connect = aio_pika.connect_robust if robust else aio_pika.connect
     try:
         return await asyncio.wait_for(connect(**kwargs), timeout + 1)
     except aiormq.exceptions.ProbableAuthenticationError:
-        who = "the client certificate (x509_login)" if cluster.x509_login else f"user {kwargs['login']!r}"
+        who = f"user {login[0]!r}" if login else "the client certificate (x509_login)"
         raise AuthError(f"{broker.name}: AMQP login refused for {who}") from None
     except aiormq.exceptions.InvalidFrameError as exc:
         # the broker closed the handshake: most often the vhost is missing or not permitted

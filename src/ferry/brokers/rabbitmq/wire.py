@@ -31,7 +31,7 @@ from pamqp import commands, frame
 from pamqp.header import ContentHeader
 
 from ferry.brokers.base import tls_error
-from ferry.brokers.rabbitmq.client import certificate_hint, tls_context
+from ferry.brokers.rabbitmq.client import amqp_login, certificate_hint, tls_context
 from ferry.errors import AuthError, BrokerUnavailable, FerryError, NotFound
 from ferry.topology import RabbitCluster
 
@@ -489,15 +489,15 @@ class Connection:
 async def raw_connect(cluster: RabbitCluster, vhost: str, broker: int = 0, name: str = "") -> Connection:
     """A raw-frame AMQP connection (the mover's fast path) to one broker of `cluster`."""
     b = cluster.brokers[broker % len(cluster.brokers)]
-    creds = cluster.credentials
     parts = urlsplit(b.url)
     amqps = parts.scheme == "amqps"
+    user, password = amqp_login(cluster) or (None, "")  # no user: the client certificate logs in
     try:
         return await Connection.open(
             parts.hostname or "127.0.0.1",
             parts.port or (5671 if amqps else 5672),
-            None if cluster.x509_login else creds.user if creds else "guest",
-            "" if cluster.x509_login else (creds.password() if creds else None) or "guest",
+            user,
+            password,
             vhost,
             name=name or b.name,
             tls=(tls_context(cluster, b) or ssl.create_default_context()) if amqps else None,
