@@ -408,7 +408,7 @@ def test_topology_check_shows_tls_and_identity_and_warns_before_certificates_exp
     assert "problem: short/old-1 client tls://127.0.0.1:" in r.stderr and "certificate has expired" in r.stderr
 
 
-def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(tmp_path: Path) -> None:
+def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_or_revoked_one_one_line(tmp_path: Path) -> None:
     from nats_jwt.nkeys_ext.nkeys2 import create_operator_pair
     from nats_jwt.v2.operator_claims import OperatorClaims
     from nats_jwt.v2.snippets import Operator
@@ -419,9 +419,13 @@ def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(t
     operator.claims.nats.system_account = system.claims.sub
     app = operator.create_account("APP")
     expires: dict[str, int] = {}
+    users = {name: app.create_user(name) for name in ("soon", "gone", "revoked")} | {"sys": system.create_user("sys")}
     for name, seconds in (("soon", 10 * 86400 + 3600), ("gone", -3600)):
-        user = app.create_user(name)
-        user.claims.exp = expires[name] = int(time.time()) + seconds
+        users[name].claims.exp = expires[name] = int(time.time()) + seconds
+    # the account revokes its user "revoked" (every JWT of it issued until a minute from now)
+    revoked_at = int(time.time()) + 60
+    app.claims.nats.revocations = {users["revoked"].key_pair.public_key.decode(): revoked_at}
+    for name, user in users.items():
         (tmp_path / f"{name}.creds").write_text(
             f"-----BEGIN NATS USER JWT-----\n{user.jwt}\n------END NATS USER JWT------\n\n"
             f"-----BEGIN USER NKEY SEED-----\n{user.key_pair.seed.decode()}\n------END USER NKEY SEED------\n"
@@ -438,11 +442,12 @@ def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(t
         while not port_open(port):
             assert time.monotonic() < deadline and server.poll() is None, "the server did not listen"
             time.sleep(0.1)
-        for name in ("soon", "gone"):
+        for name in ("soon", "gone", "revoked"):
             broker = {"name": "c-1", "url": f"nats://127.0.0.1:{port}"}
             cluster = {
                 "kind": "nats",
                 "credentials": {"creds_file": str(tmp_path / f"{name}.creds")},
+                "system_credentials": {"creds_file": str(tmp_path / "sys.creds")},
                 "brokers": [broker],
             }
             (tmp_path / f"{name}.yaml").write_text(
@@ -459,6 +464,14 @@ def test_a_user_jwt_that_expires_soon_is_a_warning_and_an_expired_one_one_line(t
         gone = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires["gone"]))
         assert r.returncode != 0 and r.stderr.strip().splitlines() == [
             f"error: cluster 'c': the user JWT in creds file {tmp_path / 'gone.creds'} expired on {gone}"
+        ], r.stderr
+        # the server says "authorization violation" only; the account's JWT, read through the
+        # system account, says why
+        r = ferry("stream", "info", "ANY", "--cluster", "c", topology=tmp_path / "revoked.yaml")
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(revoked_at))
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+            f"error: cluster 'c': the user JWT in creds file {tmp_path / 'revoked.creds'} "
+            f"was revoked by account APP at {when}"
         ], r.stderr
     finally:
         server.terminate()

@@ -23,7 +23,9 @@ __all__ = [
     "broker_at",
     "client_options",
     "connect_fields",
+    "jwt_claims",
     "jwt_expired",
+    "jwt_revoked",
     "server_name",
     "tls_context",
     "tls_error",
@@ -146,16 +148,35 @@ def _read_creds(creds: Credentials) -> tuple[str, bytes]:
     return found[b"BEGIN NATS USER JWT"].decode(), found[b"BEGIN USER NKEY SEED"]
 
 
-def jwt_expired(creds: Credentials | None) -> str | None:
-    """When the user JWT of a .creds file has expired: its expiry (``YYYY-MM-DD HH:MM UTC``), else
-    None. The server only says "authorization violation"; this says why."""
+def jwt_claims(creds: Credentials | None) -> dict[str, Any] | None:
+    """The claims of a .creds file's user JWT (public: who, issued and expires when; the seed is
+    not read), else None."""
     if creds is None or not creds.creds_file:
         return None
     try:
         claims = creds.creds_file.read_bytes().split(b"BEGIN NATS USER JWT-----", 1)[1].split()[0].split(b".")[1]
-        exp = json.loads(base64.urlsafe_b64decode(claims + b"=" * (-len(claims) % 4))).get("exp")
+        return json.loads(base64.urlsafe_b64decode(claims + b"=" * (-len(claims) % 4)))  # type: ignore[no-any-return]
     except (IndexError, ValueError, OSError):
         return None
+
+
+def jwt_expired(creds: Credentials | None) -> str | None:
+    """When the user JWT of a .creds file has expired: its expiry (``YYYY-MM-DD HH:MM UTC``), else
+    None. The server only says "authorization violation"; this says why."""
+    exp = (jwt_claims(creds) or {}).get("exp")
     if not exp or exp > time.time():
         return None
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(exp))
+    return _utc(exp)
+
+
+def jwt_revoked(user: dict[str, Any], account: dict[str, Any]) -> str | None:
+    """When `account` (its JWT's claims, as the server's account info decodes them) revoked the
+    user JWT whose claims are `user` (``YYYY-MM-DD HH:MM UTC``), else None. A revocation at T
+    invalidates the user's JWTs issued at or before T; ``*`` stands for every user."""
+    revocations = (account.get("nats") or {}).get("revocations") or {}
+    at = max(revocations.get(user.get("sub"), 0), revocations.get("*", 0))
+    return _utc(at) if at and user.get("iat", 0) <= at else None
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))

@@ -45,7 +45,7 @@ from ferry.brokers.base import (
 )
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
-from ferry.topology import NatsCluster
+from ferry.topology import Credentials, NatsCluster
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
 
@@ -138,6 +138,8 @@ async def connect(
         if _is_auth(exc) or any(_is_auth(e) for e in errors):
             if expired := auth.jwt_expired(creds):
                 raise AuthError(f"{who}: the user JWT in {creds.identity} expired on {expired}") from None  # type: ignore[union-attr]
+            if not system and (revoked := await _revoked(cluster, creds, servers, timeout)):
+                raise AuthError(f"{who}: the user JWT in {creds.identity} was {revoked}") from None  # type: ignore[union-attr]
             raise AuthError(
                 f"{who}: authorization violation for {creds.identity if creds else 'no credentials'}"
             ) from None
@@ -147,6 +149,25 @@ async def connect(
         raise BrokerUnavailable(
             f"{who}: no server answered at {', '.join(kwargs['servers'])} within {timeout:.0f}s ({detail})"
         ) from None
+
+
+async def _revoked(cluster: NatsCluster, creds: Credentials | None, servers: list[str], timeout: float) -> str | None:
+    """Whether the account of a refused user JWT revoked it ("revoked by account APP at ..."), as
+    the servers' account info says through the system account; None when that cannot be told
+    (no system credentials, no answer, not revoked)."""
+    user = auth.jwt_claims(creds)
+    if not user or cluster.system_credentials is None:
+        return None
+    account = user.get("nats", {}).get("issuer_account") or user.get("iss")
+    try:
+        async with session(cluster, system=True, urls=servers, timeout=timeout) as nc:
+            info = await sys_request(nc, f"$SYS.REQ.ACCOUNT.{account}.INFO", timeout=timeout)
+    except (FerryError, OSError, nats.errors.Error, ValueError):
+        return None
+    claims = (info.get("data") or {}).get("decoded_jwt") or {}
+    if revoked := auth.jwt_revoked(user, claims):
+        return f"revoked by account {claims.get('name') or account} at {revoked}"
+    return None
 
 
 async def _refuse_plaintext(who: str, servers: list[str], timeout: float) -> None:
