@@ -155,11 +155,12 @@ def status_table(rows: list[dict[str, Any]]) -> Table:
 
 
 @site_app.command("status")
-def site_status(topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
-    """Which site is primary, by each site's own record, with its last failover and fail-back."""
+def site_status(account: AccountOpt = None, topology: TopologyOpt = None, as_json: JsonOpt = False) -> None:
+    """Which site is primary, by each site's own record, with its last failover and fail-back
+    (--account: of that account's replications)."""
     from ferry.jobs import replicate as rp
 
-    rows = run(rp.site_status(open_topology(topology)))
+    rows = run(rp.site_status(open_topology(topology).in_account(account)))
     if as_json:
         print_json(rows)
         return
@@ -190,16 +191,18 @@ def site_failover(
     ] = False,
     wait: Annotated[float, typer.Option(min=0, help="With --reverse: seconds to wait for FROM.")] = 600.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what TO holds so far; change nothing.")] = False,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Stop FROM -> TO (fencing its relay), record the last sequence TO holds per stream, make TO primary."""
+    """Stop FROM -> TO (fencing its relay), record the last sequence TO holds per stream, make TO primary.
+
+    With --account, the replication of that account's streams (each account's sites fail over apart)."""
     from ferry.jobs import replicate as rp
 
     emit = json_event if as_json else plain_event
-    result = run(
-        rp.failover(open_topology(topology), to, source, emit=emit, reverse=reverse, wait=wait, dry_run=dry_run)
-    )
+    topo = open_topology(topology).in_account(account)
+    result = run(rp.failover(topo, to, source, emit=emit, reverse=reverse, wait=wait, dry_run=dry_run))
     if as_json:
         print_json(result)
         return
@@ -215,7 +218,8 @@ def site_failover(
     fo = result["failover"]
     out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {per_stream(fo['replicated'])}")
     if result.get("reverse"):
-        out.print(f"defined {to} -> {fo['from']}; run relays with: ferry replicate run --from {to} --to {fo['from']}")
+        relays = f"ferry replicate run --from {to} --to {fo['from']}{rp.account_flag(account)}"
+        out.print(f"defined {to} -> {fo['from']}; run relays with: {relays}")
 
 
 @site_app.command("failback")
@@ -224,10 +228,13 @@ def site_failback(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be reconciled.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Reconcile both sites by origin sequence (exactly once each way), make TO primary, define TO -> other."""
+    """Reconcile both sites by origin sequence (exactly once each way), make TO primary, define TO -> other.
+
+    With --account, the sites of that account's replication."""
     from ferry.jobs import replicate as rp
     from ferry.spark.session import factory
 
@@ -235,7 +242,7 @@ def site_failback(
 
     emit = json_event if as_json else plain_event
     try:
-        report = run(rp.failback(open_topology(topology), to, spark, emit=emit, dry_run=dry_run))
+        report = run(rp.failback(open_topology(topology).in_account(account), to, spark, emit=emit, dry_run=dry_run))
     except KeyboardInterrupt:
         if not dry_run:
             err.print(

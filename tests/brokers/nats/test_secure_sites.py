@@ -1,13 +1,16 @@
-"""`ferry replicate` on the secure sites lab (nyc and sfo in operator mode, TLS everywhere, the
-topology's .creds files): a stream of the second account (SALES) is relayed in that account,
-through the SIGKILL of its active relay, and every acked message is at sfo exactly once."""
+"""`ferry replicate` and `ferry site` on the secure sites lab (nyc and sfo in operator mode, TLS
+everywhere, the topology's .creds files): a stream of the second account (SALES) is relayed in
+that account, through the SIGKILL of its active relay, and every acked message is at sfo exactly
+once; then that account's sites fail over and back, apart from the default account's."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -62,3 +65,65 @@ def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites
         for r in (a, b):
             if r:
                 r.close()
+
+
+def _ledger_ids(*ledgers: Path) -> set[str]:
+    return {r["id"] for p in ledgers for r in pq.read_table(p).to_pylist() if r["outcome"] == "acked"}
+
+
+def _held(topo: Any, site: str, stream: str) -> list[str]:
+    return [r["msg_id"] for r in asyncio.run(read_stream(topo, site, stream))]
+
+
+def test_a_second_accounts_sites_fail_over_and_back_apart(secure_sites: lab.LabState, tmp_path: Path) -> None:
+    """SALES's replication fails over to sfo while its relay lags (what nyc acked then is the RPO),
+    sfo takes writes, and the fail-back brings each acked message to both sites once; the default
+    account's site records never change."""
+    topology = secure_sites.path / "topology.yaml"
+    topo = load_topology(topology).in_account("SALES")
+    for site in ("nyc", "sfo"):
+        asyncio.run(make_stream(topo, site, "INV", ["inv.>"], replicas=1, allow_batched=site == "sfo" or None))
+    pair = ("--from", "nyc", "--to", "sfo")
+    ferry("replicate", "start", *pair, "--streams", "INV", *SALES, topology=topology, check=True)
+    relay = Relay(topology, tmp_path, "nyc", "sfo", *SALES)
+    try:
+        relay.event("relaying")
+        before = load(topology, "nyc?account=SALES", "inv.a.{n}", tmp_path / "nyc-a", 500, 2)
+        assert before.wait(timeout=60) == 0
+        wait_for(lambda: stream_count(topo, "sfo", "INV") >= len(_ledger_ids(tmp_path / "nyc-a")), 60, "relaying")
+        relay.kill(signal.SIGSTOP)  # lagging: what nyc acks now is not at sfo when it takes over
+        lagged = load(topology, "nyc?account=SALES", "inv.b.{n}", tmp_path / "nyc-b", 500, 2)
+        assert lagged.wait(timeout=60) == 0
+
+        fo = ferry("site", "failover", "--to", "sfo", "--json", *SALES, topology=topology, check=True)
+        fo = json.loads(fo.stdout)
+        assert fo["primary"] == "sfo" and fo["source_reachable"], fo
+        relay.kill(signal.SIGCONT)  # fenced: it stops
+        assert relay.proc.wait(timeout=60) == 0
+        again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", *SALES, topology=topology, timeout=60)
+        assert "`ferry site failback --to nyc --account SALES` once nyc is back" in again.stderr, again.stderr
+        status = json.loads(ferry("site", "status", "--json", *SALES, topology=topology, check=True).stdout)
+        assert {r["site"]: r["primary"] for r in status} == {"nyc": "sfo", "sfo": "sfo"}, status
+        default = json.loads(ferry("site", "status", "--json", topology=topology, check=True).stdout)
+        assert {r["site"]: r["primary"] for r in default} == {"nyc": None, "sfo": None}, default
+
+        at_sfo = load(topology, "sfo?account=SALES", "inv.c.{n}", tmp_path / "sfo-c", 500, 2)
+        assert at_sfo.wait(timeout=60) == 0
+        fb = ferry("site", "failback", "--to", "nyc", "--json", *SALES, topology=topology, timeout=300)
+        assert fb.returncode == 0, fb.stderr[-2000:]
+        report = json.loads(fb.stdout)
+        # the RPO: what nyc acked while its relay lagged; the fenced relay, woken, may have written
+        # some of it to sfo before its heartbeat failed (then "already there", not recovered again)
+        inv = report["streams"]["INV"]
+        assert inv["rpo"] == len(_ledger_ids(tmp_path / "nyc-b")) > 0 and 0 <= inv["recovered"] <= inv["rpo"], report
+        assert inv["brought"] == len(_ledger_ids(tmp_path / "sfo-c")), report
+        assert "ferry replicate run --from nyc --to sfo --account SALES" in report["replication"], report
+        acked = _ledger_ids(tmp_path / "nyc-a", tmp_path / "nyc-b", tmp_path / "sfo-c")
+        for site in ("nyc", "sfo"):
+            held = _held(topo, site, "INV")
+            assert len(held) == len(set(held)) and set(held) >= acked, (site, len(held), len(acked))
+        status = json.loads(ferry("site", "status", "--json", *SALES, topology=topology, check=True).stdout)
+        assert {r["site"]: r["primary"] for r in status} == {"nyc": "nyc", "sfo": "nyc"}, status
+    finally:
+        relay.close()
+        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--wait", "0", *SALES, topology=topology)

@@ -27,6 +27,7 @@ from ferry.jobs.replicate.plan import (
     CONTROL,
     RELAY,
     Replication,
+    account_flag,
     ensure_streams,
     first_line,
     lags,
@@ -276,7 +277,7 @@ class Relay:
         the replication again with the same settings (its stop marker then stays)."""
         with contextlib.suppress(Exception):
             if took_over(await site_record(self.topo, self.dest), self.dest, self.source):
-                back = f"ferry site failback --to {self.source}"
+                back = f"ferry site failback --to {self.source}{account_flag(self.topo.account)}"
                 return f"{self.dest} took over from {self.source}: `{back}` once {self.source} is back"
         rep = Replication.from_state({**asdict(Replication(self.source, self.dest)), **state})
         return f"`{rep.start_command(self.topo.account)}` starts it again"
