@@ -360,8 +360,8 @@ def prom_query(base: str, expr: str) -> list[dict[str, Any]]:
 
 
 def served(topo: Topology, *clusters: str) -> list[dict[str, Any]]:
-    """The operations `ferry serve` reads from the journals of `clusters` (one read of each), as its
-    console lists them."""
+    """The operations `ferry serve` reads from the journals of `clusters` (one read of each; ``nyc@SALES``:
+    another account's), as its console lists them."""
     from ferry.api.audits import Audits
     from ferry.api.console import view
     from ferry.api.watch import Registry
@@ -369,7 +369,7 @@ def served(topo: Topology, *clusters: str) -> list[dict[str, Any]]:
     async def read() -> list[dict[str, Any]]:
         reg = Registry(topo)
         reg.first_read = {c: asyncio.Event() for c in clusters}
-        tasks = [asyncio.create_task(reg.watch(c, reg.clusters[c])) for c in clusters]
+        tasks = [asyncio.create_task(reg.watch(c, reg.journals[c])) for c in clusters]
         try:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reg.first_read.values())), 30)
         finally:

@@ -119,8 +119,11 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
     assert sample(text, "ferry_operation_progress_ratio", kind="dr_failback", id="ltm->pc1") == 0.75
     assert sample(text, "ferry_node_available", cluster="east", node="east-1") == 0
     assert sample(text, "ferry_node_available", cluster="west", node="west-1") == 1
-    assert sample(text, "ferry_relay_lag_messages", **{"from": "nyc", "to": "sfo", "stream": "ORDERS"}) == 10
-    assert sample(text, "ferry_relay_active", **{"from": "nyc", "to": "sfo"}) == 1
+    assert (
+        sample(text, "ferry_relay_lag_messages", **{"account": "", "from": "nyc", "to": "sfo", "stream": "ORDERS"})
+        == 10
+    )
+    assert sample(text, "ferry_relay_active", **{"account": "", "from": "nyc", "to": "sfo"}) == 1
     assert sample(text, "ferry_failback_messages_left", vhost="/", queue="q1") == 25
     assert sample(text, "ferry_failback_duplicates_total", vhost="/", queue="q1") == 3
     assert "hunter2" not in text and "hunter2" not in str(view(registry, Audits(None)))
@@ -128,8 +131,46 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
     registry.states["east"]["relay.nyc.sfo"] = {**relay, "heartbeat": now - 60}
     registry.live["lag:relay.nyc.sfo"] = (now, {"ORDERS": {"relayed": 90, "source_last": 130, "lag": 40, "lag_s": 9.0}})
     text = scrape(registry)
-    assert sample(text, "ferry_relay_active", **{"from": "nyc", "to": "sfo"}) == 0
-    assert sample(text, "ferry_relay_lag_messages", **{"from": "nyc", "to": "sfo", "stream": "ORDERS"}) == 40
+    assert sample(text, "ferry_relay_active", **{"account": "", "from": "nyc", "to": "sfo"}) == 0
+    assert (
+        sample(text, "ferry_relay_lag_messages", **{"account": "", "from": "nyc", "to": "sfo", "stream": "ORDERS"})
+        == 40
+    )
+
+
+def test_another_accounts_operations_are_read_from_its_own_journal_and_labelled(
+    topology_of: Callable[[str], Topology],
+) -> None:
+    """A NATS cluster's other accounts keep their own journals: serve reads each (east@SALES) and
+    tells their operations apart from the default account's of the same names."""
+    with_sales = TWO_CLUSTERS.replace(
+        "    system_credentials: {user: sys, password_env: FERRY_T_SYS}\n",
+        "    system_credentials: {user: sys, password_env: FERRY_T_SYS}\n"
+        "        accounts: {SALES: {user: sales, password_env: FERRY_T_APP}}\n",
+    )
+    registry = Registry(topology_of(with_sales))
+    assert set(registry.journals) == {"east", "east@SALES", "west", "ltm"}
+    assert registry.journals["east@SALES"].credentials.user == "sales"  # type: ignore[union-attr]
+    now = time.time()
+    progress = {"ORDERS": {"relayed": 90, "lag": 10, "lag_s": 2.5, "rate": 50.0}}
+    relay = {"source": "nyc", "dest": "sfo", "state": "relaying", "desired": "running", "owner": Journal.owner(),
+             "heartbeat": now, "progress": progress}  # fmt: skip
+    stopped = {**relay, "state": "stopped", "desired": "stopped", "heartbeat": now - 60}
+    registry.states = {"east": {"relay.nyc.sfo": relay}, "east@SALES": {"relay.nyc.sfo": stopped}}
+    registry.read_at = dict.fromkeys(registry.states, time.monotonic())
+    registry.live["lag:relay.nyc.sfo@SALES"] = (now, {"ORDERS": {"relayed": 90, "lag": 700, "lag_s": 9.0}})
+    text = scrape(registry)
+    assert sample(text, "ferry_operations", kind="relay", state="relaying") == 1
+    assert sample(text, "ferry_operations", kind="relay", state="stopped") == 1
+    assert sample(text, "ferry_relay_active", **{"account": "", "from": "nyc", "to": "sfo"}) == 1
+    assert sample(text, "ferry_relay_active", **{"account": "SALES", "from": "nyc", "to": "sfo"}) == 0
+    sales = {"account": "SALES", "from": "nyc", "to": "sfo", "stream": "ORDERS"}
+    assert sample(text, "ferry_relay_lag_messages", **sales) == 700  # read at SALES's source
+    assert sample(text, "ferry_relay_lag_messages", **{**sales, "account": ""}) == 10
+    assert sample(text, "ferry_journal_read_age_seconds", cluster="east@SALES") is not None
+    got = view(registry, Audits(None))
+    assert sorted(o["id"] for o in got["operations"]) == ["nyc->sfo", "nyc->sfo@SALES"], got["operations"]
+    assert sorted((r["account"] or "", r["streams"][0]["lag"]) for r in got["relays"]) == [("", 10), ("SALES", 700)]
 
 
 def test_only_evacuations_and_rebalances_of_its_own_cluster_are_adopted(registry: Registry) -> None:

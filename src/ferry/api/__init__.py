@@ -117,8 +117,8 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         reg.started = time.monotonic()
-        reg.first_read = {n: asyncio.Event() for n in reg.clusters}
-        tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.clusters.items()]
+        reg.first_read = {n: asyncio.Event() for n in reg.journals}
+        tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.journals.items()]
         tasks.append(asyncio.create_task(reg.adopt(lambda c, st: _resume(reg, c, st))))
         tasks.append(asyncio.create_task(reg.refresh()))
         yield

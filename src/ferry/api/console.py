@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ferry.api.audits import Audits
-from ferry.api.watch import Registry, failback_total, operation_id, relaying, state_of
+from ferry.api.watch import Registry, account_of, failback_total, operation_id, relaying, state_of
 from ferry.jobs.evacuate.nodes.base import STALE_AFTER
 from ferry.journal import owner_alive
 
@@ -19,7 +19,7 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
     now = time.time()
     ops, relays = [], []
     for cname, key, kind, st in reg.operations():
-        figures, at = reg.relay_progress(key, st) if kind == "relay" else ({}, None)
+        figures, at = reg.relay_progress(cname, key, st) if kind == "relay" else ({}, None)
         ops.append(
             {
                 "kind": kind,
@@ -37,6 +37,7 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
                 {
                     "from": st["source"],
                     "to": st["dest"],
+                    "account": account_of(cname),
                     "active": relaying(st),
                     "read_age_s": round(now - float(at), 1) if at else None,
                     "streams": [
@@ -71,7 +72,7 @@ def view(reg: Registry, audits: Audits) -> dict[str, Any]:
         "audits": audits.reports()[:20],
         "journals": [
             {"cluster": c, "read_age_s": round(time.monotonic() - reg.read_at[c], 1) if c in reg.read_at else None}
-            for c in sorted(reg.clusters)
+            for c in sorted(reg.journals)
         ],
     }
 

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from ferry.api.audits import Audits
-from ferry.api.watch import STATES, Registry, operation_id, relaying, state_of
+from ferry.api.watch import STATES, Registry, account_of, operation_id, relaying, state_of
 from ferry.brokers.rabbitmq import queue_path
 from ferry.jobs.replicate.relay import RelayFamilies
 
@@ -77,7 +77,7 @@ class JournalCollector(Collector):
         started = GaugeMetricFamily(
             "ferry_relay_started",
             "1 while a replication is started (`replicate start`), 0 once stopped",
-            labels=["from", "to"],
+            labels=["account", "from", "to"],
         )
         in_state = GaugeMetricFamily(
             "ferry_operation_state_age_seconds",
@@ -112,14 +112,14 @@ class JournalCollector(Collector):
                     conns.add_metric([cname, node], read[1]["connections"])
                     age.add_metric([f"node:{cname}:{node}"], now - read[0])
             elif kind == "relay" and st.get("source"):
-                src, dst = str(st["source"]), str(st["dest"])
-                figures, at = reg.relay_progress(key, st)
-                relay.active.add_metric([src, dst], 1.0 if relaying(st) else 0.0)
-                started.add_metric([src, dst], 1.0 if st.get("desired") == "running" else 0.0)
+                rep = [account_of(cname) or "", str(st["source"]), str(st["dest"])]
+                figures, at = reg.relay_progress(cname, key, st)
+                relay.active.add_metric(rep, 1.0 if relaying(st) else 0.0)
+                started.add_metric(rep, 1.0 if st.get("desired") == "running" else 0.0)
                 for stream, p in sorted(figures.items()):
-                    relay.add(src, dst, stream, p)
+                    relay.add(rep, stream, p)
                 if at:
-                    age.add_metric([f"relay:{src}->{dst}"], max(0.0, now - float(at)))
+                    age.add_metric([f"relay:{oid}"], max(0.0, now - float(at)))
             elif kind == "dr_failback":
                 for (vhost, queue), n in sorted((reg.failback_left(cname, st) or {}).items()):
                     left.add_metric([vhost, queue], n)
@@ -133,8 +133,8 @@ class JournalCollector(Collector):
         for cname, cluster in sorted(reg.clusters.items()):
             for b in cluster.brokers:
                 available.add_metric([cname, b.name], 0.0 if reg.unavailable(cname, b.name) else 1.0)
-            if cname in reg.read_at:
-                journal_age.add_metric([cname], time.monotonic() - reg.read_at[cname])
+        for journal, read_at in sorted(reg.read_at.items()):
+            journal_age.add_metric([journal], time.monotonic() - read_at)
         yield from (ops, ratio, missed, reinjected, unavail, conns, evicted, available)
         yield from (in_state, *relay, started, left, dups, age, journal_age)
         yield from self.audits.collect()

@@ -82,7 +82,12 @@ def state_of(kind: str, st: dict[str, Any]) -> str:
 
 def operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
     """A short name of an operation, unique among those on record (`where`: the journal's site or
-    RabbitMQ cluster)."""
+    RabbitMQ cluster; ``nyc@SALES`` for another NATS account's, whose operations end ``@SALES``)."""
+    account = where.partition("@")[2]
+    return _operation_id(where, key, kind, st) + (f"@{account}" if account and kind != "partition" else "")
+
+
+def _operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
     if kind == "evacuation":
         return f"{st.get('cluster')}/{st.get('node')}"
     if kind == "rebalance":
@@ -100,6 +105,11 @@ def operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
     return f"{where}/{key}"
 
 
+def account_of(journal: str) -> str | None:
+    """The NATS account of a journal serve reads (``east@SALES``: SALES), None for the default."""
+    return journal.partition("@")[2] or None
+
+
 class Registry:
     """The journaled operations of every cluster, kept current, their drivers, and the live figures."""
 
@@ -107,7 +117,12 @@ class Registry:
         self.topo = topo
         self.clusters: dict[str, NatsCluster | RabbitCluster] = {n: c for _, n, c in topo.clusters()}
         self.site_of: dict[str, str] = {n: s for s, n, _ in topo.clusters()}
-        self.states: dict[str, dict[str, dict[str, Any]]] = {}  # cluster -> key -> state (read at least once)
+        # the journals read: each cluster's (by its name) and each other NATS account's (east@SALES)
+        self.journals: dict[str, NatsCluster | RabbitCluster] = dict(self.clusters)
+        for n, c in self.clusters.items():
+            if isinstance(c, NatsCluster):
+                self.journals |= {f"{n}@{a}": c.in_account(a, n) for a in sorted(c.accounts)}
+        self.states: dict[str, dict[str, dict[str, Any]]] = {}  # journal -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # cluster -> time.monotonic() of its last journal read
@@ -179,9 +194,13 @@ class Registry:
             if was != now and not any(e[1:] == event and time.time() - e[0] < 10 for e in self.events):
                 self.events.append((time.time(), *event))
 
-    def where(self, cname: str) -> str:
-        """Whose journal `cname` reads: its site's for NATS (the clusters of a site share one bucket)."""
-        return self.site_of[cname] if isinstance(self.clusters.get(cname), NatsCluster) else cname
+    def where(self, journal: str) -> str:
+        """Whose journal `journal` is: its site's for NATS (the clusters of a site share one bucket;
+        ``nyc@SALES`` in another account), else its RabbitMQ cluster's."""
+        cname, _, account = journal.partition("@")
+        if not isinstance(self.clusters.get(cname), NatsCluster):
+            return cname
+        return f"{self.site_of[cname]}@{account}" if account else self.site_of[cname]
 
     def operations(self) -> list[tuple[str, str, str, dict[str, Any]]]:
         """(cluster, key, kind, state) of every operation on record, once each (a move is read
@@ -205,7 +224,7 @@ class Registry:
                 if kind == "evacuation" and st.get("node"):
                     reads.append((f"node:{cname}:{st['node']}", self._node(cname, st["node"])))
                 elif kind == "relay" and st.get("source") and not relaying(st):
-                    reads.append((f"lag:{key}", self._lag(st)))
+                    reads.append((self._lag_key(cname, key), self._lag(cname, st)))
                 elif kind == "dr_failback":
                     reads.append((f"queues:{cname}", self._queues(cname)))
             await asyncio.gather(*(self._keep(what, read) for what, read in reads))
@@ -223,11 +242,17 @@ class Registry:
         async with open_nodes(cname, self.clusters[cname], avoid=[node]) as nodes:
             return (await nodes.view(node, jetstream=False)).summary()
 
-    async def _lag(self, st: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """A replication no relay is running: its backlog at the source now."""
+    async def _lag(self, journal: str, st: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """A replication no relay is running: its backlog at the source now (in its account)."""
         relayed, foreign = backlog_from(st)
-        async with bnats.session(self.topo.nats(st["source"]), name=st["source"], client_name=f"{CONTROL}-serve") as nc:
+        source = self.topo.in_account(account_of(journal)).nats(st["source"])
+        async with bnats.session(source, name=st["source"], client_name=f"{CONTROL}-serve") as nc:
             return await lags(nc, relayed, foreign)
+
+    @staticmethod
+    def _lag_key(journal: str, key: str) -> str:
+        account = account_of(journal)
+        return f"lag:{key}@{account}" if account else f"lag:{key}"
 
     async def _queues(self, cname: str) -> dict[tuple[str, str], int]:
         async with open_nodes(cname, self.clusters[cname], avoid=[]) as nodes:
@@ -263,12 +288,14 @@ class Registry:
             return None
         return {(x["vhost"], x["queue"]): read[1].get((x["vhost"], x["queue"]), 0) for x in st.get("queues") or []}
 
-    def relay_progress(self, key: str, st: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float | None]:
+    def relay_progress(
+        self, journal: str, key: str, st: dict[str, Any]
+    ) -> tuple[dict[str, dict[str, Any]], float | None]:
         """A replication's progress per stream and when it was read: the running relay's own
         report, or (none running) the backlog serve read at the source."""
         if relaying(st):
             return status_row(st, time.time()).get("progress") or {}, st.get("progress_at")
-        read = self.live.get(f"lag:{key}")
+        read = self.live.get(self._lag_key(journal, key))
         return (read[1], read[0]) if read else (st.get("progress") or {}, st.get("progress_at"))
 
     # -- adoption ----------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def replicate_run(
     from ferry.spark.session import factory
 
     topo = open_topology(topology).in_account(account)
-    metrics = rp.Metrics(metrics_port) if metrics_port else None
+    metrics = rp.Metrics(metrics_port, account) if metrics_port else None
 
     spark = factory(spark_master, spark_remote, app_name=f"ferry relay {source} to {to}")
 

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 
 from ferry import lab
+from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import Relay, ferry, load, make_stream, read_stream, stream_count, wait_for
+from tests.helpers import Relay, ferry, load, make_stream, read_stream, served, stream_count, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]
 
@@ -35,7 +37,8 @@ def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites
     b = None
     try:
         a.event("relaying")
-        b = Relay(topology, tmp_path, "nyc", "sfo", *SALES)
+        (port,) = free_ports(1)
+        b = Relay(topology, tmp_path, "nyc", "sfo", *SALES, "--metrics-port", str(port))
         assert b.event("standby")["leader"]["pid"] == a.proc.pid
         producers = load(topology, "nyc?account=SALES", "ord.{n}", tmp_path / "ledger", 1000, 8)
         wait_for(lambda: stream_count(topo, "sfo", "ORD") > 1500, 60, "relaying")
@@ -56,6 +59,11 @@ def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites
         assert row["leader"]["pid"] == b.proc.pid and row["takeovers"] == 1, row
         default = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
         assert not [r for r in default if r.get("source")], default  # kept in SALES, apart from APP's
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text  # the relay's own, labelled
+        assert 'ferry_relay_active{account="SALES",from="nyc",to="sfo"} 1.0' in metrics, metrics
+        # ferry serve reads SALES's journal too, and names its operations apart
+        ops = served(load_topology(topology), "sfo", "sfo@SALES")
+        assert [(o["id"], o["state"]) for o in ops if o["kind"] == "relay"] == [("nyc->sfo@SALES", "relaying")], ops
         ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", *SALES, topology=topology, check=True)
         assert b.proc.wait(timeout=30) == 0
         again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", *SALES, topology=topology, timeout=60)

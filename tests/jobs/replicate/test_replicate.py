@@ -105,7 +105,7 @@ def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, 
         assert mine["leader"]["pid"] == relay.proc.pid and mine["state"] == "relaying"
         wait_for(lambda: ferry_progress(topology)["relayed"] == n, 10, "status to show everything relayed")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert f'ferry_relay_relayed_total{{from="nyc",stream="RATE",to="sfo"}} {float(n)}' in metrics
+        assert f'ferry_relay_relayed_total{{account="",from="nyc",stream="RATE",to="sfo"}} {float(n)}' in metrics
 
         stopped = json.loads(
             ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--json", topology=topology, check=True).stdout

@@ -80,7 +80,7 @@ function render(d) {
   for (const r of d.relays) {
     const streams = r.streams.length ? r.streams : [{stream: "-"}];
     for (const s of streams) {
-      relays.push(row([`${r.from} → ${r.to}`, el("span", r.active ? "active" : "none", r.active ? "ok" : "bad"),
+      relays.push(row([`${r.from} → ${r.to}${r.account ? ` (${r.account})` : ""}`, el("span", r.active ? "active" : "none", r.active ? "ok" : "bad"),
         s.stream, s.relayed ?? "-", s.lag ?? "-", s.lag_s ?? "-", s.rate ?? "-"]));
     }
   }

@@ -405,8 +405,9 @@ class Metrics:
     relay knows, under the names ``ferry serve``'s ``/metrics`` uses for what it reads from the
     journal (``dashboards/ferry.json`` relies on them)."""
 
-    def __init__(self, port: int | None) -> None:
+    def __init__(self, port: int | None, account: str | None = None) -> None:
         self.rep: Replication | None = None
+        self.account = account or ""  # the label of a replication in another NATS account
         self.progress: dict[str, dict[str, Any]] = {}
         self.active = False
         if port is not None:  # None: the families only (their names are checked against the dashboard)
@@ -421,18 +422,21 @@ class Metrics:
         fams = RelayFamilies()
         rate = GaugeMetricFamily("ferry_relay_rate", "Source sequences relayed per second", labels=fams.LABELS)
         if self.rep:
-            fams.active.add_metric([self.rep.source, self.rep.dest], 1.0 if self.active else 0.0)
+            at = [self.account, self.rep.source, self.rep.dest]
+            fams.active.add_metric(at, 1.0 if self.active else 0.0)
             for stream, p in sorted(self.progress.items()):
-                fams.add(self.rep.source, self.rep.dest, stream, p)
-                rate.add_metric([self.rep.source, self.rep.dest, stream], float(p["rate"]))
+                fams.add(at, stream, p)
+                rate.add_metric([*at, stream], float(p["rate"]))
         yield from (*fams, rate)
 
 
 class RelayFamilies:
     """The ``ferry_relay_*`` families, as a relay serves them and as ``ferry serve`` does from the
-    journals (one definition of their names and help)."""
+    journals (one definition of their names and help). ``account``: the NATS account of a
+    replication of another account than the default (empty, which Prometheus reads as absent, for
+    the default's)."""
 
-    LABELS = ["from", "to", "stream"]
+    LABELS = ["account", "from", "to", "stream"]
 
     def __init__(self) -> None:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -445,12 +449,13 @@ class RelayFamilies:
             "ferry_relay_lag_seconds", "Age of the oldest message the relay has yet to relay", labels=self.LABELS
         )
         self.active = GaugeMetricFamily(
-            "ferry_relay_active", "1 while a live relay holds the replication's lease", labels=["from", "to"]
+            "ferry_relay_active", "1 while a live relay holds the replication's lease", labels=self.LABELS[:3]
         )
 
-    def add(self, source: str, dest: str, stream: str, p: dict[str, Any]) -> None:
-        """One stream's progress (``relayed``, ``lag``, ``lag_s``; a lag None is unknown: left out)."""
-        at = [source, dest, stream]
+    def add(self, replication: list[str], stream: str, p: dict[str, Any]) -> None:
+        """One stream's progress (``relayed``, ``lag``, ``lag_s``; a lag None is unknown: left out)
+        in `replication` (its account, source and destination)."""
+        at = [*replication, stream]
         self.relayed.add_metric(at, float(p.get("relayed") or 0))
         if p.get("lag") is not None:
             self.lag.add_metric(at, float(p["lag"]))
