@@ -379,3 +379,24 @@ def served(topo: Topology, *clusters: str) -> list[dict[str, Any]]:
         return view(reg, Audits(None))["operations"]
 
     return asyncio.run(read())
+
+
+# -- certificates the secure labs' servers do not trust (their bad-input tests) -------------------
+
+
+def other_ca(d: Path) -> str:
+    """A CA file of another CA than the lab's (its servers' certificates fail to verify)."""
+    import trustme
+
+    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
+    return str(d / "other-ca.pem")
+
+
+def foreign_client(d: Path) -> dict[str, str]:
+    """A tls block's client certificate and key that another CA issued (the servers reject it)."""
+    import trustme
+
+    cert = trustme.CA().issue_cert("ferry")
+    cert.cert_chain_pems[0].write_to_path(str(d / "foreign-cert.pem"))
+    cert.private_key_pem.write_to_path(str(d / "foreign-key.pem"))
+    return {"cert_file": str(d / "foreign-cert.pem"), "key_file": str(d / "foreign-key.pem")}

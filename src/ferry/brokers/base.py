@@ -220,6 +220,8 @@ def tls_error(exc: BaseException) -> str | None:
         reason = str(exc.reason or exc).replace("_", " ").lower()
         if "certificate required" in reason:
             return f"TLS: the server requires a client certificate (tls.cert_file and tls.key_file; {reason})"
+        if "alert" in reason and any(w in reason for w in ("unknown ca", "bad certificate", "certificate unknown")):
+            return f"TLS: the server rejected the client certificate (tls.cert_file; {reason})"
         return f"TLS: {reason}"
     return None
 

@@ -35,7 +35,17 @@ from ferry.lab.nats import nats_server_binary
 from ferry.lab.procs import free_ports, port_open
 from ferry.topology import load_topology
 from tests import helpers
-from tests.helpers import acked_ids, finish, judge, make_stream, read_stream, start_load, stream_leader
+from tests.helpers import (
+    acked_ids,
+    finish,
+    foreign_client,
+    judge,
+    make_stream,
+    other_ca,
+    read_stream,
+    start_load,
+    stream_leader,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -150,11 +160,6 @@ def _variant(topology: Path, out: Path, change: Any) -> Path:
     return out
 
 
-def _other_ca(d: Path) -> str:
-    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
-    return str(d / "other-ca.pem")
-
-
 def _malformed(d: Path) -> str:
     (d / "bad.creds").write_text("-----BEGIN NATS USER JWT-----\n")
     return str(d / "bad.creds")
@@ -170,7 +175,7 @@ BAD = {
         "error: credentials: creds file {d}/bad.creds is not a NATS .creds file (a user JWT and an nkey seed)",
     ),
     "another CA": (
-        lambda c, d: c["tls"].update(ca_file=_other_ca(d)),
+        lambda c, d: c["tls"].update(ca_file=other_ca(d)),
         "TLS: certificate verify failed: unable to get local issuer certificate",
     ),
     "a name the certificate does not carry": (
@@ -184,6 +189,10 @@ BAD = {
     "no client certificate": (
         lambda c, d: [c["tls"].pop("cert_file"), c["tls"].pop("key_file")],
         "TLS: the server requires a client certificate (tls.cert_file and tls.key_file;",
+    ),
+    "a client certificate the server rejects": (
+        lambda c, d: c["tls"].update(foreign_client(d)),
+        "TLS: the server rejected the client certificate (tls.cert_file; tlsv1 alert unknown ca)",
     ),
     "an account without JetStream": (
         lambda c, d: c["credentials"].update(c["system_credentials"]),

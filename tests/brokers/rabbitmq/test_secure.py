@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trustme
 import yaml
 
 from ferry import lab
@@ -22,7 +21,7 @@ from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.lab.scenarios import dr_federation
 from ferry.topology import load_topology
 from tests import helpers
-from tests.helpers import acked_ids, make_queues, make_stream, queue_messages
+from tests.helpers import acked_ids, foreign_client, make_queues, make_stream, other_ca, queue_messages
 
 pytestmark = pytest.mark.lab
 
@@ -130,13 +129,8 @@ def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     assert t["tier_messages"] == 3000 and t["lost"] == t["extra_copies"] == t["unexpected"] == 0, t
 
 
-def _other_ca(d: Path) -> str:
-    trustme.CA().cert_pem.write_to_path(str(d / "other-ca.pem"))
-    return str(d / "other-ca.pem")
-
-
 BAD = {
-    "another CA": (lambda c, d: c["tls"].update(ca_file=_other_ca(d)), "TLS: certificate verify failed: "),
+    "another CA": (lambda c, d: c["tls"].update(ca_file=other_ca(d)), "TLS: certificate verify failed: "),
     "amqp:// to a TLS port": (  # (x509_login off: with it, the topology itself is refused first)
         lambda c, d: [
             c.pop("x509_login", None),
@@ -147,6 +141,10 @@ BAD = {
     "http:// to a TLS port": (
         lambda c, d: [b.update(management_url=b["management_url"].replace("https:", "http:")) for b in c["brokers"]],
         "a TLS port? then https://)",
+    ),
+    "a client certificate the broker rejects": (
+        lambda c, d: c["tls"].update(foreign_client(d)),
+        "client certificate",  # another CA's: the broker's alert, or the reset that overtook it
     ),
     "no client certificate": (
         lambda c, d: [c["tls"].pop("cert_file"), c["tls"].pop("key_file")],
@@ -192,7 +190,7 @@ def test_a_brokers_own_tls_settings_override_its_clusters(secure_rabbit_dr: lab.
     for site in doc["sites"].values():
         for cluster in site["clusters"].values():
             lab_ca = cluster["tls"]["ca_file"]
-            cluster["tls"]["ca_file"] = _other_ca(tmp_path)
+            cluster["tls"]["ca_file"] = other_ca(tmp_path)
             for b in cluster["brokers"]:
                 b["tls"] = {"ca_file": lab_ca}
     topology = tmp_path / "topology.yaml"
