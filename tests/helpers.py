@@ -274,6 +274,9 @@ VALID = textwrap.dedent(
     """
 )
 
+# the same clusters where nothing listens: what is refused before ferry dials, and what answers without a broker
+UNREACHABLE = VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1")
+
 
 def start_load(
     topology: Path, target: str, subject: str, ledger: Path, seconds: float, *extra: str

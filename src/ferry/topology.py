@@ -539,6 +539,10 @@ def load_topology(path: Path | str | None = None) -> Topology:
             f"{path}: topology file not found",
             hint="pass --topology FILE, set FERRY_TOPOLOGY, or run `ferry lab up PROFILE`",
         ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start}: not UTF-8); a topology is YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the topology file ({exc.strerror})") from None
     return parse_topology(text, str(path))
 
 

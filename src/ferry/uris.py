@@ -14,7 +14,7 @@ Names resolve through the topology file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from ferry.errors import ConfigError
 from ferry.subjects import stream_name_problem
@@ -58,7 +58,8 @@ def parse_uri(uri: str) -> Endpoint:
     unknown = set(query) - _KNOWN_QUERY[kind]
     if unknown:
         raise ConfigError(
-            f"{uri!r}: unknown option {sorted(unknown)[0]!r} (known: {', '.join(sorted(_KNOWN_QUERY[kind])) or 'none'})"
+            f"{masked(uri)!r}: unknown option {sorted(unknown)[0]!r} "
+            f"(known: {', '.join(sorted(_KNOWN_QUERY[kind])) or 'none'})"
         )
     if kind == "parquet":
         path = (parts.netloc + parts.path) if parts.netloc else parts.path
@@ -79,14 +80,17 @@ def parse_uri(uri: str) -> Endpoint:
         stream = unquote(segments[0])
         if why := stream_name_problem(stream):
             raise ConfigError(f"{uri!r}: {why}")
+        start, end = _int(uri, query, "start_seq"), _int(uri, query, "end_seq")
+        if start and end and end < start:
+            raise ConfigError(f"{uri!r}: end_seq {end} is before start_seq {start} (the range is inclusive)")
         return Endpoint(
             kind,
             uri,
             cluster=parts.netloc,
             stream=stream,
             subject=query.get("subject") or None,
-            start_seq=_int(uri, query, "start_seq"),
-            end_seq=_int(uri, query, "end_seq"),
+            start_seq=start,
+            end_seq=end,
             account=query.get("account") or None,
         )
     # rabbitmq
@@ -96,6 +100,16 @@ def parse_uri(uri: str) -> Endpoint:
     return Endpoint(
         kind, uri, cluster=parts.netloc, vhost=unquote(segments[0]), queue=queue, exchange=query.get("exchange") or None
     )
+
+
+def masked(uri: str) -> str:
+    """`uri` with the values of its query masked: an option ferry does not know may be a secret
+    typed where it does not belong (``?password=...``)."""
+    parts = urlsplit(uri)
+    if not parts.query:
+        return uri
+    query = "&".join(f"{k}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+    return parts._replace(query=query).geturl()
 
 
 def _int(uri: str, query: dict[str, str], key: str) -> int | None:

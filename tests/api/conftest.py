@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 
 from ferry.topology import Topology, load_topology
-from tests.helpers import VALID
 
 # VALID where nothing listens: serve can read no journal
-UNREACHABLE = VALID.replace(":4222", ":1").replace(":5672", ":1").replace(":15672", ":1")
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import pytest
 
 from ferry.api import READ_FRESH, Registry
 from ferry.topology import Topology
-from tests.api.conftest import UNREACHABLE
-from tests.helpers import VALID
+from tests.helpers import UNREACHABLE, VALID
 
 
 @pytest.fixture

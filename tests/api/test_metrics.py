@@ -19,8 +19,7 @@ from ferry.api.watch import Registry, kind_of
 from ferry.jobs.shared.metrics import EventMetrics
 from ferry.journal import Journal
 from ferry.topology import Topology
-from tests.api.conftest import UNREACHABLE
-from tests.helpers import VALID
+from tests.helpers import UNREACHABLE, VALID
 
 TWO_CLUSTERS = VALID.replace(
     "  dr:\n",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ferry.cli import app
+from ferry.cli import BadParameter, app, command
 from ferry.cli.render import event_line
-from tests.helpers import FERRY, VALID
+from tests.helpers import FERRY, UNREACHABLE, VALID
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,19 @@ def test_bad_command_lines_get_one_line_and_exit_2(args: list[str], expected: st
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("--rate", "-5"), ("--duration", "-5"), ("--producers", "0"), ("--size", "8"), ("--give-up-after", "0")],
+    [
+        ("--rate", "-5"),
+        ("--rate", "nan"),
+        ("--rate", "inf"),
+        ("--duration", "-5"),
+        ("--duration", "nan"),
+        ("--producers", "0"),
+        ("--producers", "2000000000"),  # a connection each: more than any open-file limit
+        ("--size", "8"),
+        ("--size", "1000000000000"),
+        ("--count", "100000000000000000000000"),
+        ("--give-up-after", "0"),
+    ],
 )
 def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, option: str, value: str) -> None:
     topo = tmp_path / "t.yaml"
@@ -46,6 +59,72 @@ def test_bad_load_options_are_refused_before_anything_is_written(tmp_path, optio
     r = subprocess.run([*FERRY, *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and option in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "ledger").exists()
+
+
+def test_every_number_option_of_every_command_refuses_nan_and_infinity() -> None:
+    """Parsed by pydantic, a float option takes NaN and infinity (a rate of NaN ran flat out): each
+    one, found by walking the command tree, is refused where it is parsed."""
+    root = command()
+    found: list[tuple[list[str], str]] = []
+
+    def walk(cmd: Any, path: list[str]) -> None:
+        for p in cmd.params:
+            if "float" in str(getattr(getattr(p, "type_descriptor", None), "annotation", "")):
+                found.append((path, p.opts[0]))
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(root, [])
+    assert len(found) >= 15, found
+    for path, option in found:
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(BadParameter) as refused:
+                root.main([*path, f"{option}={bad}"], prog_name="ferry", standalone_mode=False)
+            # (pydantic refuses NaN itself where the option has bounds: "greater than or equal to 1")
+            assert f"Invalid value for '{option}'" in refused.value.format_message(), (path, option, bad)
+
+
+def test_a_load_that_fails_before_its_first_message_leaves_no_ledger(tmp_path) -> None:
+    topo = tmp_path / "t.yaml"
+    topo.write_text(UNREACHABLE)
+    args = ["load", "jetstream://east", "--count", "5", "--ledger", str(tmp_path / "ledger"), "--topology", str(topo)]
+    env = {**os.environ, "FERRY_T_APP": "secret"}
+    r = subprocess.run([*FERRY, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "no server answered" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "ledger").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["copy", "jetstream://east/X?start_seq=10&end_seq=2", "parquet:///tmp/x"], "end_seq 2 is before start_seq 10"),
+        (["copy", "jetstream://east/X?password=hunter2", "parquet:///tmp/x"], "'jetstream://east/X?password=***'"),
+        (["load", "jetstream://east?pw=hunter2", "--count", "1", "--ledger", "/tmp/x"], "unknown option 'pw'"),
+        (["copy", "jetstream://east/X", "parquet:///proc/x"], "'parquet:///proc/x': cannot write under /proc"),
+        (["snapshot", "jetstream://east/X", "--out", "/proc/x"], "cannot write under /proc"),
+        (["serve", "--port", "99999"], "--port"),
+        (["serve", "--port=-1"], "--port"),
+    ],
+)
+def test_bad_input_is_refused_before_any_broker_is_asked(tmp_path, args: list[str], expected: str) -> None:
+    """Nothing listens where the topology points: each of these is refused before ferry dials."""
+    topo = tmp_path / "t.yaml"
+    topo.write_text(UNREACHABLE)
+    r = subprocess.run([*FERRY, *args, "--topology", str(topo)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert expected in r.stderr and "hunter2" not in r.stderr, r.stderr
+
+
+def test_a_topology_that_is_not_text_is_one_line(tmp_path) -> None:
+    topo = tmp_path / "t.yaml"
+    topo.write_bytes(b"\xff\xfe\x00binary")
+    for args in (["topology", "check", str(topo)], ["stream", "info", "X", "-c", "east"]):
+        r = subprocess.run(
+            [*FERRY, *args], capture_output=True, text=True, timeout=60, env={**os.environ, "FERRY_TOPOLOGY": str(topo)}
+        )
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: {topo}: not a text file (byte 0: not UTF-8); a topology is YAML"
+        ], r.stderr
 
 
 def test_a_nats_load_target_with_a_stream_in_it_is_refused(tmp_path) -> None:
@@ -263,11 +342,12 @@ def test_a_command_after_an_interrupted_one_may_start_spark_jobs() -> None:
 
 
 def test_a_path_that_is_not_what_a_command_needs_is_one_line(tmp_path) -> None:
-    """A directory for a file (OSError): one line, exit 1; an HTML report's missing directory is
+    """A directory for a file: one line, exit 2; an HTML report's missing directory is
     found before the audit's Spark job, not after it."""
     cli = FERRY
     r = subprocess.run([*cli, "topology", "check", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and r.stderr.strip() == f"error: Is a directory: {tmp_path}", r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"error: {tmp_path}: cannot read the topology file (Is a directory)"
     ledger, tier = audit_inputs(tmp_path)
     args = ["audit", "--ledger", str(ledger), "--tier", f"t={tier}", "--html", "/no/such/dir/a.html"]
     r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
@@ -47,6 +47,8 @@ from ferry.topology import Topology
 # seconds from serve's start an availability check may wait for the first journal read: less than
 # the lab HAProxy's check timeout (its `inter`, 1 s, with no `timeout check`)
 FIRST_READ = 0.5
+LISTED_WITHIN = 3.0  # seconds a started operation's answer waits for serve to read its journal key
+MAX_BODY = 64 * 1024  # bytes of a request body (an evacuation's or a rebalance's fields)
 STATIC = Path(__file__).parent / "static"
 
 __all__ = ["READ_FRESH", "Registry", "create_app"]
@@ -75,8 +77,9 @@ def locate(reg: Registry, node: str, cluster: str | None) -> str:
     return found[0]
 
 
-async def _first_event(reg: Registry, key: str, coro: Any) -> dict[str, Any]:
-    """Start an operation in the background; answer with its plan (or its refusal) at once."""
+async def _first_event(reg: Registry, cname: str, key: str, coro: Any) -> dict[str, Any]:
+    """Start an operation in the background; answer with its plan (or its refusal) at once, once
+    its journal key is read (so a GET right after lists it), or a few seconds at most."""
     got: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
 
     def emit(event: str, **data: Any) -> None:
@@ -91,6 +94,9 @@ async def _first_event(reg: Registry, key: str, coro: Any) -> dict[str, Any]:
         raise HTTPException(status, str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}")
     if task.done():
         return task.result()
+    deadline = time.monotonic() + LISTED_WITHIN
+    while key not in reg.states.get(cname, {}) and not task.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     return got.result() if got.done() else {"event": "starting"}
 
 
@@ -136,6 +142,21 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         "the operations console and Prometheus metrics of every job.",
         lifespan=lifespan,
     )
+
+    @app.middleware("http")
+    async def small_bodies(request: Request, call_next: Any) -> Response:
+        """A request body is a few fields: one over MAX_BODY bytes is refused before it is read."""
+        length = request.headers.get("content-length")
+        if (
+            request.method in ("POST", "PUT", "PATCH", "DELETE")
+            and length is None
+            and "chunked" in (request.headers.get("transfer-encoding") or "")
+        ):
+            return JSONResponse({"detail": "a request body needs a Content-Length"}, status_code=411)
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            return JSONResponse({"detail": f"a request body is at most {MAX_BODY:,} bytes"}, status_code=413)
+        return await call_next(request)  # type: ignore[no-any-return]
+
     Auth, Read = Depends(authorized), Depends(may_read)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -196,7 +217,7 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         key = evacuation_key(cname, req.node)
         stop = reg.stops[key] = asyncio.Event()
         req = req.model_copy(update={"cluster": cname})
-        return await _first_event(reg, key, lambda emit: rb.evacuate(reg.topo, req, emit, stop=stop, hold=True))
+        return await _first_event(reg, cname, key, lambda emit: rb.evacuate(reg.topo, req, emit, stop=stop, hold=True))
 
     @app.delete("/evacuations/{node}", dependencies=[Auth])
     async def stop_evacuation(node: str, cluster: Annotated[str | None, Query()] = None) -> dict[str, Any]:
@@ -215,7 +236,7 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
             raise HTTPException(404, f"no cluster {req.cluster!r}")
         key = rebalance_key(req.cluster)
         stop = reg.stops[key] = asyncio.Event()
-        return await _first_event(reg, key, lambda emit: rb.rebalance(reg.topo, req, emit, stop=stop))
+        return await _first_event(reg, req.cluster, key, lambda emit: rb.rebalance(reg.topo, req, emit, stop=stop))
 
     @app.delete("/rebalances/{cluster}", dependencies=[Auth])
     async def stop_rebalance(cluster: str) -> dict[str, Any]:

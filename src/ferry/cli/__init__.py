@@ -16,8 +16,10 @@ reads, or that a user asks for by name (``move``, ``copy``, ``failback``, ``node
 from __future__ import annotations
 
 import logging
+import math
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import pydantic
 import typer
@@ -29,9 +31,9 @@ from ferry.cli.render import err, out
 from ferry.errors import FerryError, redact
 
 try:  # typer vendors click since 0.2x; its errors are what a bad command line raises
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    from typer._click.exceptions import BadParameter, ClickException, NoArgsIsHelpError
 except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException, NoArgsIsHelpError
+    from click.exceptions import BadParameter, ClickException, NoArgsIsHelpError
 
 
 app = typer.Typer(
@@ -82,7 +84,7 @@ def main() -> None:
     logging.getLogger().addHandler(logging.NullHandler())
     logging.getLogger("ferry").addHandler(logging.StreamHandler())
     try:
-        code = app(standalone_mode=False)  # usage errors come here, to be reported on one line
+        code = command()(standalone_mode=False)  # usage errors come here, to be reported on one line
     except NoArgsIsHelpError as exc:
         err.print(exc.format_message(), highlight=False, markup=False)
         sys.exit(2)
@@ -115,6 +117,30 @@ def main() -> None:
     if code == 130:  # typer's answer to Ctrl-C
         _interrupted()
     sys.exit(code if isinstance(code, int) else 0)  # a typer.Exit's code, else success
+
+
+def command() -> Any:
+    """The command line as click runs it: every option of every command refuses NaN and infinity
+    (pydantic, which parses them, takes both: a rate of NaN ran flat out, a timeout of infinity
+    never ended)."""
+
+    def finite(callback: Callable[..., Any] | None) -> Callable[..., Any]:
+        def check(ctx: Any, param: Any, value: Any) -> Any:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadParameter(f"{value} is not a finite number", ctx=ctx, param=param)
+            return callback(ctx, param, value) if callback else value
+
+        return check
+
+    def walk(cmd: Any) -> None:
+        for param in cmd.params:
+            param.callback = finite(param.callback)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    root = typer.main.get_command(app)
+    walk(root)
+    return root
 
 
 def _translated(exc: BaseException) -> FerryError | None:

@@ -29,7 +29,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document i
 FederatedOpt = Annotated[bool, typer.Option("--federated", hidden=True)]
 MetricsPortOpt = Annotated[
     int | None,
-    typer.Option(help="Serve the running job's own figures as Prometheus metrics on 127.0.0.1:PORT/metrics."),
+    typer.Option(
+        min=1, max=65535, help="Serve the running job's own figures as Prometheus metrics on 127.0.0.1:PORT/metrics."
+    ),
 ]
 AccountOpt = Annotated[
     str | None,

@@ -13,7 +13,7 @@ from ferry.cli.options import TopologyOpt, open_topology
 
 def serve_cmd(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8377,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8377,
     token_file: Annotated[
         Path | None, typer.Option(help="File holding the bearer token the mutating endpoints require.")
     ] = None,

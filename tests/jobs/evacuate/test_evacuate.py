@@ -100,6 +100,8 @@ def crowded(supercluster: lab.LabState) -> Iterator[Callable[[str], None]]:
             r = api(supercluster, "POST", "/evacuations", json={"node": n, "wait_health_check": 3600})
             assert r.status_code == 202, r.text
             held.append(n)
+            listed = api(supercluster, "GET", "/evacuations").json()  # at once: its answer waited for it
+            assert n in {e.get("node") for e in listed}, listed
         wait_for(lambda: haproxy_up(supercluster) == {n: n == node for n in NODES}, 15, f"HAProxy to see only {node}")
 
     def release() -> None:
@@ -440,6 +442,11 @@ def test_refusals_and_one_evacuation_at_a_time(supercluster: lab.LabState) -> No
         assert r.returncode == 1 and "already running" in r.stderr, r.stderr
         no_token = httpx.post(supercluster.lb["serve"] + "/evacuations", json={"node": "east-2"}, timeout=10)
         assert no_token.status_code == 401
+        unknown = api(supercluster, "POST", "/evacuations", json={"node": "east-2", "wait_helth_check": 1})
+        assert unknown.status_code == 422 and "wait_helth_check" in unknown.text, unknown.text
+        big = api(supercluster, "POST", "/evacuations", content=b'{"node": "east-2", "x": "' + b"x" * 2**20 + b'"}')
+        assert big.status_code == 413, big.text
+        assert "east-2" not in {e.get("node") for e in api(supercluster, "GET", "/evacuations").json()}
         assert api(supercluster, "GET", "/availability_check?node=east-3").status_code == 503
         # a serve just started answers its first checks from the journal once read (not a 200 "not read yet");
         # half a second is short for a loaded CI machine

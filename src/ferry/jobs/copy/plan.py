@@ -8,6 +8,8 @@ import base64
 import contextlib
 import fnmatch
 import json
+import os
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,8 +135,22 @@ def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> C
         and any(Path(destination.path).iterdir())
     ):
         raise ConfigError(f"{dst!r}: directory {destination.path} is not empty")
+    if destination.kind == "parquet":
+        _writable(dst, Path(destination.path or ""))
     asyncio.run(_plan_async(topology, plan))
     return plan
+
+
+def _writable(uri: str, path: Path) -> None:
+    """Refuse a Parquet destination that cannot be written here before anything is read (a
+    directory is made in its nearest existing parent, and removed)."""
+    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"{uri!r}: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ferry-probe-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"{uri!r}: cannot write under {parent} ({exc.strerror})") from None
 
 
 async def _plan_async(topology: Topology, plan: CopyPlan) -> None:

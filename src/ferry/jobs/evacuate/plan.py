@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ferry.jobs.shared.states import Machine
 
@@ -129,6 +129,9 @@ class Pacer:
 
 
 class Rates(BaseModel):
+    # a request names known fields only, with finite numbers (it may come over HTTP from `ferry serve`)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     wait_health_check: float = Field(60.0, ge=0)
     conn_evict_rate: int = Field(500, gt=0)
     wait_takeover: float = Field(60.0, ge=0)

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
+import resource
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from ferry.brokers.nats.wire import Wire
 from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound, UsageError
 from ferry.topology import NatsCluster, Topology
+from ferry.uris import masked
 
 __all__ = ["LEDGER_SCHEMA", "Ledger", "LoadOptions", "LoadSummary", "payload_for", "run_load"]
 
@@ -75,6 +77,10 @@ def payload_hash(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
+MAX_SIZE = 64 * 1024 * 1024
+MAX_COUNT = 10**12
+
+
 @dataclass
 class LoadOptions:
     target: str
@@ -98,10 +104,22 @@ class LoadOptions:
     def validate(self) -> None:
         if self.producers < 1 or self.subjects < 1 or self.size < 16:
             raise UsageError("--producers and --subjects must be >= 1, --size >= 16")
-        if self.rate is not None and self.rate <= 0:
-            raise UsageError("--rate must be positive")
-        if self.duration is not None and self.duration <= 0:
-            raise UsageError("--duration must be positive")
+        if self.size > MAX_SIZE:
+            raise UsageError(
+                f"--size {self.size:,}: at most {MAX_SIZE:,} bytes (64 MiB, the largest payload NATS takes)"
+            )
+        if self.count is not None and not 0 < self.count <= MAX_COUNT:
+            raise UsageError(f"--count {self.count:,}: give 1 to {MAX_COUNT:,}")
+        if self.rate is not None and not 0 < self.rate < math.inf:
+            raise UsageError("--rate must be positive and finite")
+        if self.duration is not None and not 0 < self.duration < math.inf:
+            raise UsageError("--duration must be positive and finite")
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if files != resource.RLIM_INFINITY and self.producers + 64 > files:
+            raise UsageError(
+                f"--producers {self.producers:,}: each opens a connection, and this process may open {files:,} "
+                "files (ulimit -n)"
+            )
         if not 0 < self.give_up_after < math.inf:
             raise UsageError("--give-up-after must be positive")
         if "{n}" not in self.subject and self.subjects > 1:
@@ -136,7 +154,6 @@ class Ledger:
         self.path = path
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"ledger directory {path} is not empty")
-        path.mkdir(parents=True, exist_ok=True)
         self.flush_rows = flush_rows
         self.rows: list[dict[str, Any]] = []
         self.parts = 0
@@ -147,6 +164,7 @@ class Ledger:
     def flush(self) -> None:
         if not self.rows:
             return
+        self.path.mkdir(parents=True, exist_ok=True)  # at the first row: a load that fails before leaves none
         table = pa.Table.from_pylist(self.rows, schema=LEDGER_SCHEMA)
         tmp = self.path / f".part-{self.parts:05d}.tmp"
         pq.write_table(table, tmp)
@@ -165,7 +183,7 @@ def _parse_target(target: str) -> tuple[str, str, str, str | None]:
         raise ConfigError(f"{target!r}: {parts.scheme}://CLUSTER takes no path (the subject says where messages go)")
     query = parse_qs(parts.query)
     if set(query) - ({"account"} if parts.scheme != "rabbitmq" else set()):
-        raise ConfigError(f"{target!r}: unknown option {sorted(query)[0]!r} (known: account, for NATS)")
+        raise ConfigError(f"{masked(target)!r}: unknown option {sorted(query)[0]!r} (known: account, for NATS)")
     return parts.scheme, parts.netloc, vhost, (query.get("account") or [None])[-1]
 
 
@@ -262,6 +280,7 @@ async def run_load(
             await ticker
         summary.seconds = time.monotonic() - t0
         ledger.flush()
+    ledger.path.mkdir(parents=True, exist_ok=True)  # a ledger, if an empty one
     if refused:
         raise AuthError(
             f"the server dropped messages of ferry's user: {refused} (the ledger {opts.ledger} lists them as "
