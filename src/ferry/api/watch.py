@@ -83,8 +83,8 @@ def state_of(kind: str, st: dict[str, Any]) -> str:
 def operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
     """A short name of an operation, unique among those on record (`where`: the journal's site or
     RabbitMQ cluster; ``nyc@SALES`` for another NATS account's, whose operations end ``@SALES``)."""
-    account = where.partition("@")[2]
-    return _operation_id(where, key, kind, st) + (f"@{account}" if account and kind != "partition" else "")
+    account, named = where.partition("@")[2], _operation_id(where, key, kind, st)
+    return f"{named}@{account}" if account and not named.startswith(where) else named
 
 
 def _operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
@@ -125,7 +125,7 @@ class Registry:
         self.states: dict[str, dict[str, dict[str, Any]]] = {}  # journal -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
         self.stops: dict[str, asyncio.Event] = {}
-        self.read_at: dict[str, float] = {}  # cluster -> time.monotonic() of its last journal read
+        self.read_at: dict[str, float] = {}  # journal -> time.monotonic() of its last read
         self.started = time.monotonic()
         self.first_read: dict[str, asyncio.Event] = {}  # cluster -> set once its journal was read (made at start)
         # live figures: what -> (time.time() read, value); kept when a read fails, with their age
