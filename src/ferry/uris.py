@@ -48,26 +48,26 @@ class Endpoint:
 
 
 def parse_uri(uri: str) -> Endpoint:
-    parts = urlsplit(uri)
+    parts, shown = urlsplit(uri), masked(uri)  # an option's value may be a secret typed in the wrong place
     kind = parts.scheme
     if kind not in _KNOWN_QUERY:
         raise ConfigError(
-            f"{uri!r}: unknown scheme {kind + '://' if kind else '(none)'}; use jetstream://, rabbitmq:// or parquet://"
+            f"{shown!r}: unknown scheme {kind + '://' if kind else '(none)'}; use jetstream://, rabbitmq:// or parquet://"
         )
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     unknown = set(query) - _KNOWN_QUERY[kind]
     if unknown:
         raise ConfigError(
-            f"{masked(uri)!r}: unknown option {sorted(unknown)[0]!r} "
+            f"{shown!r}: unknown option {sorted(unknown)[0]!r} "
             f"(known: {', '.join(sorted(_KNOWN_QUERY[kind])) or 'none'})"
         )
     if kind == "parquet":
         path = (parts.netloc + parts.path) if parts.netloc else parts.path
         if not path:
-            raise ConfigError(f"{uri!r}: no directory given (parquet:///absolute/dir)")
+            raise ConfigError(f"{shown!r}: no directory given (parquet:///absolute/dir)")
         return Endpoint(kind, uri, path=unquote(path))
     if not parts.netloc:
-        raise ConfigError(f"{uri!r}: no cluster name ({kind}://CLUSTER/...)")
+        raise ConfigError(f"{shown!r}: no cluster name ({kind}://CLUSTER/...)")
     if "@" in parts.netloc:
         raise ConfigError(
             f"{kind}://{parts.netloc.rpartition('@')[2]}...: a URI names a cluster of the topology, "
@@ -76,13 +76,13 @@ def parse_uri(uri: str) -> Endpoint:
     segments = parts.path.split("/")[1:] if parts.path else []
     if kind == "jetstream":
         if len(segments) != 1 or not segments[0]:
-            raise ConfigError(f"{uri!r}: expected jetstream://CLUSTER/STREAM")
+            raise ConfigError(f"{shown!r}: expected jetstream://CLUSTER/STREAM")
         stream = unquote(segments[0])
         if why := stream_name_problem(stream):
-            raise ConfigError(f"{uri!r}: {why}")
-        start, end = _int(uri, query, "start_seq"), _int(uri, query, "end_seq")
+            raise ConfigError(f"{shown!r}: {why}")
+        start, end = _int(shown, query, "start_seq"), _int(shown, query, "end_seq")
         if start and end and end < start:
-            raise ConfigError(f"{uri!r}: end_seq {end} is before start_seq {start} (the range is inclusive)")
+            raise ConfigError(f"{shown!r}: end_seq {end} is before start_seq {start} (the range is inclusive)")
         return Endpoint(
             kind,
             uri,
@@ -95,7 +95,7 @@ def parse_uri(uri: str) -> Endpoint:
         )
     # rabbitmq
     if not segments or not segments[0] or len(segments) > 2:
-        raise ConfigError(f"{uri!r}: expected rabbitmq://CLUSTER/VHOST/QUEUE (vhost '/' is %2F)")
+        raise ConfigError(f"{shown!r}: expected rabbitmq://CLUSTER/VHOST/QUEUE (vhost '/' is %2F)")
     queue = unquote(segments[1]) if len(segments) == 2 and segments[1] else None
     return Endpoint(
         kind, uri, cluster=parts.netloc, vhost=unquote(segments[0]), queue=queue, exchange=query.get("exchange") or None
@@ -112,13 +112,13 @@ def masked(uri: str) -> str:
     return parts._replace(query=query).geturl()
 
 
-def _int(uri: str, query: dict[str, str], key: str) -> int | None:
+def _int(shown: str, query: dict[str, str], key: str) -> int | None:
     if key not in query:
         return None
     try:
         value = int(query[key])
     except ValueError:
-        raise ConfigError(f"{uri!r}: {key} must be an integer") from None
+        raise ConfigError(f"{shown!r}: {key} must be an integer") from None
     if value < 1:
-        raise ConfigError(f"{uri!r}: {key} must be >= 1")
+        raise ConfigError(f"{shown!r}: {key} must be >= 1")
     return value

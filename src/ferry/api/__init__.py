@@ -86,17 +86,20 @@ async def _first_event(reg: Registry, cname: str, key: str, coro: Any) -> dict[s
         if event in ("plan", "resume") and not got.done():
             got.set_result({"event": event, **data})
 
+    def refused() -> None:
+        if task.done() and (exc := task.exception()):
+            status = 404 if isinstance(exc, NotFound) else 409 if isinstance(exc, Conflict) else 400
+            raise HTTPException(status, str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}")
+
     task = reg.start(key, coro(emit))
-    done, _ = await asyncio.wait([task, got], timeout=30, return_when=asyncio.FIRST_COMPLETED)
-    if task in done and task.exception():
-        exc = task.exception()
-        status = 404 if isinstance(exc, NotFound) else 409 if isinstance(exc, Conflict) else 400
-        raise HTTPException(status, str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}")
+    await asyncio.wait([task, got], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    refused()
     if task.done():
         return task.result()
     deadline = time.monotonic() + LISTED_WITHIN
     while key not in reg.states.get(cname, {}) and not task.done() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    refused()  # within the wait
     return got.result() if got.done() else {"event": "starting"}
 
 

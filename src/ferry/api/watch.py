@@ -83,8 +83,9 @@ def state_of(kind: str, st: dict[str, Any]) -> str:
 def operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
     """A short name of an operation, unique among those on record (`where`: the journal's site or
     RabbitMQ cluster; ``nyc@SALES`` for another NATS account's, whose operations end ``@SALES``)."""
-    account, named = where.partition("@")[2], _operation_id(where, key, kind, st)
-    return f"{named}@{account}" if account and not named.startswith(where) else named
+    site, _, account = where.partition("@")
+    named = _operation_id(site, key, kind, st)
+    return f"{named}@{account}" if account else named
 
 
 def _operation_id(where: str, key: str, kind: str, st: dict[str, Any]) -> str:
@@ -136,7 +137,9 @@ class Registry:
     async def watch(self, name: str, cluster: NatsCluster | RabbitCluster) -> None:
         """Mirror `name`'s journal keys twice a second, reconnecting forever. A poll, not a KV
         watch: nats-py's ordered consumer can stall for good when the server holding it dies."""
+        failures = 0
         while True:
+            read_before = self.read_at.get(name)
             try:
                 if isinstance(cluster, NatsCluster):  # reading needs no system account
                     async with bnats.session(cluster, name=name, client_name=f"{CONTROL}-serve") as nc:
@@ -146,12 +149,19 @@ class Registry:
                         await self._poll(name, nodes.journal(""))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # keep the last known states; try again
+            except Exception as exc:  # keep the last known states; try again, less often while it fails
+                failures = 0 if self.read_at.get(name) != read_before else failures + 1
                 log.warning("reading %s's journal: %s", name, exc)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(min(30.0, 2.0 ** max(0, failures - 1)))
 
     async def _poll(self, name: str, journal: Journal) -> None:
-        await journal.open()
+        if isinstance(journal, KvJournal) and account_of(name):
+            # another account's bucket is never made by serve: none yet reads as no operation
+            while (await journal.open(create=False), journal.kv)[1] is None:
+                self._read(name, {}, time.monotonic())
+                await asyncio.sleep(5.0)
+        else:
+            await journal.open()
         read: tuple[Any, dict[str, dict[str, Any]]] | None = None  # (version, states) of the last full read
         while True:
             began = time.monotonic()  # the heartbeats read are at least this old
@@ -164,12 +174,16 @@ class Registry:
                 states[FAILBACK_KEY] = record
             if isinstance(journal, KvJournal):
                 states.update(await self._partitions(name, journal))
-            self._saw(name, self.states.get(name), states)
-            self.states[name] = states
-            self.read_at[name] = began
-            if name in self.first_read:
-                self.first_read[name].set()
+            self._read(name, states, began)
             await asyncio.sleep(0.5)
+
+    def _read(self, name: str, states: dict[str, dict[str, Any]], began: float) -> None:
+        """`name`'s journal as read from `began` on."""
+        self._saw(name, self.states.get(name), states)
+        self.states[name] = states
+        self.read_at[name] = began
+        if name in self.first_read:
+            self.first_read[name].set()
 
     async def _partitions(self, name: str, journal: KvJournal) -> dict[str, dict[str, Any]]:
         """The partition maps on record (the last ones read, when their record cannot be read: it
@@ -245,7 +259,7 @@ class Registry:
     async def _lag(self, journal: str, st: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """A replication no relay is running: its backlog at the source now (in its account)."""
         relayed, foreign = backlog_from(st)
-        source = self.topo.in_account(account_of(journal)).nats(st["source"])
+        source = self.topo.nats(st["source"], account_of(journal))
         async with bnats.session(source, name=st["source"], client_name=f"{CONTROL}-serve") as nc:
             return await lags(nc, relayed, foreign)
 

@@ -68,7 +68,7 @@ def replicate_start(
     if result.get("created"):
         out.print(f"created at {to}: {', '.join(result['created'])}")
     if not dry_run:
-        out.print(f"run relays with: ferry replicate run --from {source} --to {to}{rp.account_flag(account)}")
+        out.print(f"run relays with: {rp.relay_command(source, to, account)}")
 
 
 @replicate_app.command("run")
@@ -218,8 +218,7 @@ def site_failover(
     fo = result["failover"]
     out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {per_stream(fo['replicated'])}")
     if result.get("reverse"):
-        relays = f"ferry replicate run --from {to} --to {fo['from']}{rp.account_flag(account)}"
-        out.print(f"defined {to} -> {fo['from']}; run relays with: {relays}")
+        out.print(f"defined {to} -> {fo['from']}; run relays with: {rp.relay_command(to, fo['from'], account)}")
 
 
 @site_app.command("failback")

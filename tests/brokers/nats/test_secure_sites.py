@@ -17,13 +17,26 @@ import pyarrow.parquet as pq
 import pytest
 
 from ferry import lab
+from ferry.brokers import nats as bnats
 from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import Relay, ferry, load, make_stream, read_stream, served, stream_count, wait_for
+from tests import helpers
+from tests.helpers import Relay, load, make_stream, read_stream, served, stream_count, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]
 
 SALES = ("--account", "SALES")
+OUTPUTS: list[str] = []  # every command's stdout and stderr, searched for secrets at the end
+RELAYS: list[Relay] = []  # their logs too
+
+
+def ferry(*args: str, **kw: Any) -> Any:
+    return helpers.ferry(*args, record=OUTPUTS, **kw)
+
+
+def relay(topology: Path, tmp: Path, *args: str) -> Relay:
+    RELAYS.append(r := Relay(topology, tmp, *args))
+    return r
 
 
 def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites: lab.LabState, tmp_path: Path) -> None:
@@ -33,12 +46,12 @@ def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites
         asyncio.run(make_stream(topo, site, "ORD", ["ord.>"], replicas=1, allow_batched=site == "sfo" or None))
     start = ferry("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "ORD", *SALES, topology=topology)
     assert start.returncode == 0 and "ferry replicate run --from nyc --to sfo --account SALES" in start.stdout, start
-    a = Relay(topology, tmp_path, "nyc", "sfo", *SALES)
+    a = relay(topology, tmp_path, "nyc", "sfo", *SALES)
     b = None
     try:
         a.event("relaying")
         (port,) = free_ports(1)
-        b = Relay(topology, tmp_path, "nyc", "sfo", *SALES, "--metrics-port", str(port))
+        b = relay(topology, tmp_path, "nyc", "sfo", *SALES, "--metrics-port", str(port))
         assert b.event("standby")["leader"]["pid"] == a.proc.pid
         producers = load(topology, "nyc?account=SALES", "ord.{n}", tmp_path / "ledger", 1000, 8)
         wait_for(lambda: stream_count(topo, "sfo", "ORD") > 1500, 60, "relaying")
@@ -93,21 +106,21 @@ def test_a_second_accounts_sites_fail_over_and_back_apart(secure_sites: lab.LabS
         asyncio.run(make_stream(topo, site, "INV", ["inv.>"], replicas=1, allow_batched=site == "sfo" or None))
     pair = ("--from", "nyc", "--to", "sfo")
     ferry("replicate", "start", *pair, "--streams", "INV", *SALES, topology=topology, check=True)
-    relay = Relay(topology, tmp_path, "nyc", "sfo", *SALES)
+    the_relay = relay(topology, tmp_path, "nyc", "sfo", *SALES)
     try:
-        relay.event("relaying")
+        the_relay.event("relaying")
         before = load(topology, "nyc?account=SALES", "inv.a.{n}", tmp_path / "nyc-a", 500, 2)
         assert before.wait(timeout=60) == 0
         wait_for(lambda: stream_count(topo, "sfo", "INV") >= len(_ledger_ids(tmp_path / "nyc-a")), 60, "relaying")
-        relay.kill(signal.SIGSTOP)  # lagging: what nyc acks now is not at sfo when it takes over
+        the_relay.kill(signal.SIGSTOP)  # lagging: what nyc acks now is not at sfo when it takes over
         lagged = load(topology, "nyc?account=SALES", "inv.b.{n}", tmp_path / "nyc-b", 500, 2)
         assert lagged.wait(timeout=60) == 0
 
         fo = ferry("site", "failover", "--to", "sfo", "--json", *SALES, topology=topology, check=True)
         fo = json.loads(fo.stdout)
         assert fo["primary"] == "sfo" and fo["source_reachable"], fo
-        relay.kill(signal.SIGCONT)  # fenced: it stops
-        assert relay.proc.wait(timeout=60) == 0
+        the_relay.kill(signal.SIGCONT)  # fenced: it stops
+        assert the_relay.proc.wait(timeout=60) == 0
         again = ferry("replicate", "run", "--from", "nyc", "--to", "sfo", *SALES, topology=topology, timeout=60)
         assert "`ferry site failback --to nyc --account SALES` once nyc is back" in again.stderr, again.stderr
         status = json.loads(ferry("site", "status", "--json", *SALES, topology=topology, check=True).stdout)
@@ -133,5 +146,34 @@ def test_a_second_accounts_sites_fail_over_and_back_apart(secure_sites: lab.LabS
         status = json.loads(ferry("site", "status", "--json", *SALES, topology=topology, check=True).stdout)
         assert {r["site"]: r["primary"] for r in status} == {"nyc": "nyc", "sfo": "nyc"}, status
     finally:
-        relay.close()
+        the_relay.close()
         ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--wait", "0", *SALES, topology=topology)
+
+
+def test_no_secret_reaches_the_relays_or_the_site_commands(secure_sites: lab.LabState) -> None:
+    """The users' JWTs and seeds and the client's private key: in none of this module's outputs,
+    its relays' logs, nor any key-value bucket (the journals) of either account at either site."""
+    secrets = []
+    for creds in (secure_sites.path / "secrets").glob("*.creds"):
+        secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
+    key = (secure_sites.path / "tls" / "client-key.pem").read_text()
+    secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
+    assert len(secrets) >= 2 * 3 + 2 and len(OUTPUTS) > 10 and len(RELAYS) >= 3
+
+    async def journals() -> list[str]:
+        values = []
+        for account in (None, "SALES"):
+            for site in ("nyc", "sfo"):
+                async with bnats.session(load_topology(secure_sites.path / "topology.yaml").nats(site, account)) as nc:
+                    js = nc.jetstream()
+                    for info in await nc.jsm().streams_info():
+                        if info.config.name.startswith("KV_"):
+                            kv = await js.key_value(info.config.name.removeprefix("KV_"))
+                            values += [(await kv.get(k)).value.decode(errors="replace") for k in await kv.keys()]
+        return values
+
+    kept = asyncio.run(journals())
+    assert any('"relay' in v or "source" in v for v in kept), "no relay record was read"
+    for text in OUTPUTS + kept + [r.log.read_text(errors="replace") for r in RELAYS]:
+        leaked = [i for i, s in enumerate(secrets) if s in text]
+        assert not leaked, f"secrets number {leaked} in: {' '.join(text.split())[:300]}"

@@ -509,6 +509,30 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 6, t  # a loaded CI run sent 2,700/s
 
 
+def test_a_move_killed_as_its_guard_starts_is_resumed_and_leaves_no_capture(
+    supercluster: lab.LabState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move is on record before its guard writes a capture: a run killed once the guard listens
+    is resumed by its rerun, which reconciles that capture and removes it (none left for ever)."""
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "state"))
+    topology = topology_of(supercluster)
+    asyncio.run(make_stream(profile_topology(supercluster), "east", "MOVE_G", ["move_g.>"], placement="east"))
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = [*FERRY, "move", "MOVE_G", "--to", "west", "--json"]
+    first = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert first.stderr is not None
+    for line in first.stderr:
+        if '"event": "guard"' in line:
+            break
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert [p.name for p in (tmp_path / "state" / "moves").iterdir()], "the guard wrote no capture"
+    code, result, events = move(topology, "MOVE_G", "--to", "west")
+    assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
+    assert any(e["event"] == "resume" for e in events), events
+    assert not list((tmp_path / "state" / "moves").iterdir())
+
+
 OLD_NATS = "/usr/sbin/nats-server"  # Debian's 2.9.10: it keeps a consumer past a reset stream (2.15 reconciles it)
 
 

@@ -158,7 +158,7 @@ async def _revoked(cluster: NatsCluster, creds: Credentials | None, servers: lis
     user = auth.jwt_claims(creds)
     if not user or cluster.system_credentials is None:
         return None
-    account = user.get("nats", {}).get("issuer_account") or user.get("iss")
+    account = (user.get("nats") or {}).get("issuer_account") or user.get("iss")
     try:
         async with session(cluster, system=True, urls=servers, timeout=timeout) as nc:
             info = await sys_request(nc, f"$SYS.REQ.ACCOUNT.{account}.INFO", timeout=timeout)

@@ -8,8 +8,6 @@ import base64
 import contextlib
 import fnmatch
 import json
-import os
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import ConfigError, NotFound, UsageError
 from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
+from ferry.jobs.shared.paths import check_writable
 from ferry.schema import BACKUP_RECORD
 from ferry.topology import RabbitCluster, Topology
 from ferry.uris import Endpoint, parse_uri
@@ -136,21 +135,9 @@ def plan_copy(topology: Topology, src: str, dst: str, options: CopyOptions) -> C
     ):
         raise ConfigError(f"{dst!r}: directory {destination.path} is not empty")
     if destination.kind == "parquet":
-        _writable(dst, Path(destination.path or ""))
+        check_writable(repr(dst), Path(destination.path or ""))
     asyncio.run(_plan_async(topology, plan))
     return plan
-
-
-def _writable(uri: str, path: Path) -> None:
-    """Refuse a Parquet destination that cannot be written here before anything is read (a
-    directory is made in its nearest existing parent, and removed)."""
-    parent = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"{uri!r}: {parent} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".ferry-probe-", dir=parent))
-    except OSError as exc:
-        raise ConfigError(f"{uri!r}: cannot write under {parent} ({exc.strerror})") from None
 
 
 async def _plan_async(topology: Topology, plan: CopyPlan) -> None:

@@ -172,6 +172,10 @@ async def move(
             }
         st = journal.state
         info = await stream_info(nc, req.stream)
+        # journaled before the guard writes its first capture (a run killed in between leaves a record
+        # whose rerun reconciles the capture and removes it); a resume claims the journal here, before
+        # it acts (compare-and-set: of two reruns at once, one stops)
+        await journal.save(**({} if resuming else {"phase": MOVE.step(None, "starting")}))
         guard = None
         if req.guard and info["config"].get("subjects"):
             guard = Guard(
@@ -179,9 +183,12 @@ async def move(
             )
             try:
                 await guard.start(led_in=(info.get("cluster") or {}).get("name", ""), servers=plan.servers)
+                await journal.save()  # a heartbeat: the guard's start may take seconds
             except BaseException:
-                if not resuming:  # nothing was journaled or changed yet
+                if not resuming:  # nothing changed yet: a guard refused leaves what was on record before
                     shutil.rmtree(capture_dir, ignore_errors=True)
+                    with contextlib.suppress(Exception):
+                        await _put_back(journal, prior)
                 raise
             emit("guard", subjects=info["config"]["subjects"], file=str(guard.path), waited=guard.waited)
         elif req.guard:
@@ -199,9 +206,6 @@ async def move(
                 "then are not covered (JetStream publishes with retries are)",
             )
         try:
-            # journaled once the guard listens (a guard refused leaves nothing behind); a resume claims
-            # the journal here, before it acts (compare-and-set: of two reruns at once, one stops)
-            await journal.save(**({} if resuming else {"phase": MOVE.step(None, "starting")}))
             placed = same_placement(info["config"].get("placement") or {}, st["placement"])
             if st.get("phase") == "starting" and not placed and stop and stop.is_set():
                 # interrupted before the placement changed: nothing to cancel, the stream stays put
@@ -241,6 +245,15 @@ async def move(
         shutil.rmtree(capture_dir, ignore_errors=True)  # reconciled: the captures have served
         emit("done", **{k: v for k, v in moved.doc().items() if k != "verify"})
         return moved
+
+
+async def _put_back(journal: KvJournal, prior: dict[str, Any] | None) -> None:
+    """The record as it was before a move that changed nothing (an earlier move's result, or none)."""
+    if prior is None:
+        await journal.delete()
+    else:
+        journal.state = dict(prior)
+        await journal.save(release=True)
 
 
 async def _watch(

@@ -43,6 +43,7 @@ from ferry.brokers.nats.publish import Ack, Pacer, Publisher
 from ferry.brokers.nats.wire import Wire
 from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound, UsageError
+from ferry.jobs.shared.paths import check_writable
 from ferry.topology import NatsCluster, Topology
 from ferry.uris import masked
 
@@ -154,6 +155,7 @@ class Ledger:
         self.path = path
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"ledger directory {path} is not empty")
+        check_writable(f"ledger directory {path}", path)
         self.flush_rows = flush_rows
         self.rows: list[dict[str, Any]] = []
         self.parts = 0
@@ -175,15 +177,15 @@ class Ledger:
 
 def _parse_target(target: str) -> tuple[str, str, str, str | None]:
     """kind, cluster, vhost (RabbitMQ) and account (NATS: ``?account=NAME``) of a load's target."""
-    parts = urlsplit(target)
+    parts, shown = urlsplit(target), masked(target)
     if parts.scheme not in ("nats", "jetstream", "rabbitmq") or not parts.netloc:
-        raise ConfigError(f"{target!r}: target must be nats://CLUSTER, jetstream://CLUSTER or rabbitmq://CLUSTER/VHOST")
+        raise ConfigError(f"{shown!r}: target must be nats://CLUSTER, jetstream://CLUSTER or rabbitmq://CLUSTER/VHOST")
     vhost = unquote(parts.path[1:]) if parts.path and parts.path != "/" else "/"
     if parts.scheme != "rabbitmq" and vhost != "/":
-        raise ConfigError(f"{target!r}: {parts.scheme}://CLUSTER takes no path (the subject says where messages go)")
+        raise ConfigError(f"{shown!r}: {parts.scheme}://CLUSTER takes no path (the subject says where messages go)")
     query = parse_qs(parts.query)
-    if set(query) - ({"account"} if parts.scheme != "rabbitmq" else set()):
-        raise ConfigError(f"{masked(target)!r}: unknown option {sorted(query)[0]!r} (known: account, for NATS)")
+    if unknown := sorted(set(query) - ({"account"} if parts.scheme != "rabbitmq" else set())):
+        raise ConfigError(f"{shown!r}: unknown option {unknown[0]!r} (known: account, for NATS)")
     return parts.scheme, parts.netloc, vhost, (query.get("account") or [None])[-1]
 
 
@@ -195,6 +197,7 @@ async def run_load(
 ) -> LoadSummary:
     """Publish until count, duration or `stop`; every message ends up in the ledger."""
     opts.validate()
+    ledger = Ledger(opts.ledger)  # refused here when it cannot be written; made at its first row
     kind, cluster, vhost, account = _parse_target(opts.target)
     if kind == "rabbitmq":
         topology.rabbitmq(cluster)
@@ -206,7 +209,6 @@ async def run_load(
         if kind == "jetstream":
             await _a_stream_takes(topology, cluster, account, opts.subject.replace("{n}", "0"))
     stop = stop or asyncio.Event()
-    ledger = Ledger(opts.ledger)
     summary = LoadSummary(opts.run, str(opts.ledger))
     per_producer = None if opts.count is None else -(-opts.count // opts.producers)
     deadline = time.monotonic() + opts.duration if opts.duration else None
@@ -272,6 +274,8 @@ async def run_load(
                 ledger.flush()
 
     ticker = asyncio.create_task(flusher())
+    # a ledger that cannot be written stops the producers: every message sent must be in it
+    ticker.add_done_callback(lambda t: t.cancelled() or t.exception() is None or stop.set())
     try:
         await asyncio.gather(*(producer(p) for p in range(opts.producers)))
     finally:

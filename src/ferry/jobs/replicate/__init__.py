@@ -32,7 +32,7 @@ The design is JGroups' RELAY on JetStream:
 """
 
 from ferry.jobs.replicate.control import start, status, stop
-from ferry.jobs.replicate.plan import Replication, account_flag
+from ferry.jobs.replicate.plan import Replication, relay_command
 from ferry.jobs.replicate.relay import Metrics, Relay
 from ferry.jobs.replicate.site import failback, failover
 from ferry.jobs.replicate.site import status as site_status
@@ -41,9 +41,9 @@ __all__ = [
     "Metrics",
     "Relay",
     "Replication",
-    "account_flag",
     "failback",
     "failover",
+    "relay_command",
     "site_status",
     "start",
     "status",

@@ -78,6 +78,16 @@ def account_flag(account: str | None) -> str:
     return f" --account {shlex.quote(account)}" if account else ""
 
 
+def relay_command(source: str, dest: str, account: str | None = None) -> str:
+    """The ``ferry replicate run`` that relays SOURCE -> DEST (in `account`)."""
+    return f"ferry replicate run --from {source} --to {dest}{account_flag(account)}"
+
+
+def in_account(topo: Topology) -> str:
+    """``" in account SALES"`` for a view of another account than the default (in messages)."""
+    return f" in account {topo.account}" if topo.account else ""
+
+
 def site_cluster(topo: Topology, site: str) -> NatsCluster:
     try:
         return topo.nats(site)

@@ -30,6 +30,7 @@ from ferry.jobs.replicate.plan import (
     account_flag,
     ensure_streams,
     first_line,
+    in_account,
     lags,
     positions,
     site_cluster,
@@ -217,9 +218,9 @@ class Relay:
         async with site_journal(self.topo, self.dest, key, stale_after=max(1.0, self.lease - 1.0)) as j:
             state = await j.open()
             if state is None:
-                where = f" in account {self.topo.account}" if self.topo.account else ""
                 raise NotFound(
-                    f"no replication {self.source} -> {self.dest}{where}; define it with `ferry replicate start`"
+                    f"no replication {self.source} -> {self.dest}{in_account(self.topo)}; "
+                    "define it with `ferry replicate start`"
                 )
             if state.get("desired") != "running":  # stopped before this relay began: nothing to stand by for
                 self.emit("stopped", state=state.get("state"), hint=await self._restart_hint(state))

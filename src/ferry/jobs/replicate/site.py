@@ -21,9 +21,10 @@ from ferry.errors import Conflict, FerryError, NotFound, UsageError
 from ferry.jobs.replicate.control import start, status_row, stop
 from ferry.jobs.replicate.plan import (
     Replication,
-    account_flag,
     ensure_streams,
+    in_account,
     positions,
+    relay_command,
     site_cluster,
     site_journal,
     site_record,
@@ -44,11 +45,6 @@ async def _save_site(topo: Topology, site: str, record: dict[str, Any]) -> None:
         await j.open()
         j.state = record
         await j.save(release=True)
-
-
-def where(topo: Topology) -> str:
-    """in account SALES" for a view of another account than the default (in messages)."""
-    return f" in account {topo.account}" if topo.account else ""
 
 
 async def _reachable(topo: Topology, site: str) -> bool:
@@ -76,11 +72,14 @@ async def failover(
         defs = {k: await j.get(k) or {} for k in keys}
     sources = sorted({d["source"] for d in defs.values() if d.get("source")} if not source else {source})
     if len(sources) != 1:
-        raise UsageError(f"which site fails over to {to}? pass --from (replications into {to}: {sources or 'none'})")
+        raise UsageError(
+            f"which site fails over to {to}? pass --from "
+            f"(replications into {to}{in_account(topo)}: {sources or 'none'})"
+        )
     (src,) = sources
     state = defs.get(Replication(src, to).key)
     if not state:
-        raise NotFound(f"no replication {src} -> {to} to fail over{where(topo)}")
+        raise NotFound(f"no replication {src} -> {to} to fail over{in_account(topo)}")
     rep = Replication.from_state(state)
     if rep.mapped:
         raise UsageError("site failover needs a replication without stream or subject mapping")
@@ -163,7 +162,7 @@ async def _failed_back(topo: Topology, to: str, dry_run: bool, silent: list[str]
     record = await site_record(topo, to) or {}
     if record.get("primary") == to and record.get("failback"):
         return {"already": True, "dry_run": dry_run, "primary": to, "failback": record["failback"]}
-    raise NotFound(f"no site failed over from {to}{where(topo)} (nothing to fail back)")
+    raise NotFound(f"no site failed over from {to}{in_account(topo)} (nothing to fail back)")
 
 
 async def _failback_plan(topo: Topology, to: str, primary: str, record: dict[str, Any]) -> dict[str, Any]:
@@ -257,7 +256,7 @@ async def _failback(
         await _save_site(topo, site, new)
     report["replication"] = (
         f"{forth.source} -> {forth.dest} defined again ({status_row(again, time.time())['summary']});"
-        f" run relays with: ferry replicate run --from {forth.source} --to {forth.dest}{account_flag(topo.account)}"
+        f" run relays with: {relay_command(forth.source, forth.dest, topo.account)}"
     )
     return report
 
