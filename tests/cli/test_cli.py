@@ -102,6 +102,10 @@ def test_a_load_that_fails_before_its_first_message_leaves_no_ledger(tmp_path) -
         (["load", "jetstream://east?pw=hunter2", "--count", "1", "--ledger", "/tmp/x"], "unknown option 'pw'"),
         (["copy", "jetstream://east/X", "parquet:///proc/x"], "'parquet:///proc/x': cannot write under /proc"),
         (["snapshot", "jetstream://east/X", "--out", "/proc/x"], "cannot write under /proc"),
+        (
+            ["load", "nats://east", "--count", "1", "--ledger", "/proc/x"],
+            "ledger directory /proc/x: cannot write under",
+        ),
         (["serve", "--port", "99999"], "--port"),
         (["serve", "--port=-1"], "--port"),
     ],
