@@ -57,16 +57,34 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+def role(pid: int, root: int | None) -> str:
+    """What a process of ferry's tree is: its "driver" (the tree's root), Spark's "jvm", Spark's
+    "python workers" (pyspark.daemon and its forks), else "other"."""
+    if pid == root:
+        return "driver"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    if argv and argv[0].endswith(b"java"):
+        return "jvm"
+    if any(b"pyspark" in a for a in argv):
+        return "python workers"
+    return "other"
+
+
 class PeakRss:
     """Samples a process tree (or fixed pids) every 100 ms: peak summed RSS, and CPU seconds.
 
     CPU is the sum over every process seen of its last sampled user+system time,
-    so short-lived workers count too (minus their last <100 ms).
+    so short-lived workers count too (minus their last <100 ms); `cpu_by_role` splits a
+    tree's by :func:`role`.
     """
 
     def __init__(self, root: int | None = None, pids: list[int] | None = None) -> None:
         self.root, self.pids, self.peak = root, pids, 0
         self._cpu: dict[int, float] = {}
+        self._role: dict[int, str] = {}
         self._base = {pid: cpu_seconds([pid]) for pid in (pids or [])}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -75,6 +93,14 @@ class PeakRss:
     def cpu(self) -> float:
         return sum(v - self._base.get(pid, 0.0) for pid, v in self._cpu.items())
 
+    @property
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, v in self._cpu.items():
+            r = self._role.get(pid, "other")
+            out[r] = out.get(r, 0.0) + v - self._base.get(pid, 0.0)
+        return out
+
     def _sample(self) -> None:
         pids = tree(self.root) if self.root else (self.pids or [])
         self.peak = max(self.peak, rss_bytes(pids))
@@ -82,6 +108,8 @@ class PeakRss:
             used = cpu_seconds([pid])
             if used:
                 self._cpu[pid] = max(self._cpu.get(pid, 0.0), used)
+                if pid not in self._role:
+                    self._role[pid] = role(pid, self.root)
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
@@ -113,7 +141,13 @@ def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
         text = out.read()
     if proc.returncode != 0:
         raise SystemExit(f"ferry {' '.join(args)} failed: {stderr.strip()[-2000:]}")
-    return {"report": json.loads(text), "wall": wall, "cpu": peak.cpu, "peak_rss": peak.peak}
+    return {
+        "report": json.loads(text),
+        "wall": wall,
+        "cpu": peak.cpu,
+        "cpu_by_role": peak.cpu_by_role,
+        "peak_rss": peak.peak,
+    }
 
 
 def mb(n: float) -> str:

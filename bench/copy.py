@@ -12,7 +12,8 @@
 Rates are messages / seconds of movement (ferry: the copy job, without the
 Spark session start-up, which is reported separately as wall time). CPU: the
 client process tree (ferry's driver, JVM and Python workers), and the brokers'
-own processes, measured over the same interval.
+own processes, measured over the same interval; a second table gives the CPU-µs per
+message of each (issue 51: the machine-independent figure).
 
     .venv/bin/python -m bench.copy                 # 1,000,000 messages of 100 bytes
     .venv/bin/python -m bench.copy --quick         # 100,000
@@ -124,6 +125,7 @@ def _ferry_row(case: str, who: str, run: dict[str, Any], broker: PeakRss, round_
         "rate": report["read"] / report["seconds"],
         "wall": run["wall"],
         "client_cpu": run["cpu"],
+        "client_cpu_by_role": run["cpu_by_role"],
         "broker_cpu": broker.cpu,
         "client_rss": run["peak_rss"],
         "broker_rss": broker.peak,
@@ -328,6 +330,13 @@ def main() -> None:
             f"{r['seconds']:>7.1f} {r['wall']:>7.1f} {r['client_cpu']:>9.1f}s {r['broker_cpu']:>9.1f}s "
             f"{mb(r['client_rss']):>10} {mb(r['broker_rss']):>10}"
         )
+    print("\nCPU-µs per message moved: ferry's driver, JVM and Python workers apart, and the brokers'")
+    roles = ("driver", "jvm", "python workers", "other")
+    print(f"{'case':26} {'who':28} " + " ".join(f"{r:>14}" for r in (*roles, "brokers", "all")))
+    for r in rows:
+        by = r.get("client_cpu_by_role") or {}
+        per = [by.get(x, 0.0) for x in roles] + [r["broker_cpu"], r["client_cpu"] + r["broker_cpu"]]
+        print(f"{r['case']:26} {r['who']:28} " + " ".join(f"{v / r['messages'] * 1e6:>14.1f}" for v in per))
     ratios: dict[str, list[float]] = {}
     for r in rows:
         if "anchor" not in r["who"]:
