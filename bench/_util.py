@@ -68,9 +68,9 @@ def role(pid: int, root: int | None) -> str:
         return "other"
     if argv and argv[0].endswith(b"java"):
         return "jvm"
-    if any(b"pyspark" in a for a in argv):
+    if argv and b"python" in argv[0] and any(b"pyspark" in a for a in argv[1:]):
         return "python workers"
-    return "other"
+    return "other"  # spark-submit's shell, before it becomes the JVM
 
 
 class PeakRss:
@@ -108,8 +108,7 @@ class PeakRss:
             used = cpu_seconds([pid])
             if used:
                 self._cpu[pid] = max(self._cpu.get(pid, 0.0), used)
-                if pid not in self._role:
-                    self._role[pid] = role(pid, self.root)
+                self._role[pid] = role(pid, self.root)  # again: spark-submit's shell becomes the JVM
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
