@@ -128,7 +128,7 @@ class Registry:
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # journal -> time.monotonic() of its last read
         self.started = time.monotonic()
-        self.first_read: dict[str, asyncio.Event] = {}  # cluster -> set once its journal was read (made at start)
+        self.first_read: dict[str, asyncio.Event] = {}  # journal -> set once it was read (made at start)
         # live figures: what -> (time.time() read, value); kept when a read fails, with their age
         self.live: dict[str, tuple[float, Any]] = {}
         # the changes of state serve saw, newest last: (time.time(), kind, id, old state, new state)

@@ -40,6 +40,18 @@ def move(topology: Path, *args: str, cwd: Path | None = None) -> tuple[int, dict
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, events
 
 
+def move_until(topology: Path, stream: str, event: str, cwd: Path | None = None) -> subprocess.Popen:
+    """`ferry move STREAM --to west --json` started, returned once it has emitted `event`."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    args = [*FERRY, "move", stream, "--to", "west", "--json"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if f'"event": "{event}"' in line:
+            return proc
+    raise AssertionError(f"the move ended ({proc.wait(timeout=30)}) without the event {event!r}")
+
+
 def where(topology: Path, stream: str) -> tuple[str, list[str]]:
     async def go() -> tuple[str, list[str]]:
         async with bnats.session(profile_topology_path(topology).nats("east")) as nc:
@@ -478,19 +490,7 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     fill_big(topo, "MOVE_K")
     load = start_load(topology, "nats://west", "move_k.core.{n}", tmp_path / "ledger", 12, "--no-msg-id")
     time.sleep(2)
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    first = subprocess.Popen(
-        [*FERRY, "move", "MOVE_K", "--to", "west", "--json"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert first.stderr is not None
-    for line in first.stderr:  # the placement update is out: the move is under way
-        if '"event": "placement"' in line:
-            break
+    first = move_until(topology, "MOVE_K", "placement", cwd=tmp_path)  # the placement update is out: under way
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=30)
     elsewhere = tmp_path / "elsewhere"
@@ -517,13 +517,7 @@ def test_a_move_killed_as_its_guard_starts_is_resumed_and_leaves_no_capture(
     monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "state"))
     topology = topology_of(supercluster)
     asyncio.run(make_stream(profile_topology(supercluster), "east", "MOVE_G", ["move_g.>"], placement="east"))
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    args = [*FERRY, "move", "MOVE_G", "--to", "west", "--json"]
-    first = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert first.stderr is not None
-    for line in first.stderr:
-        if '"event": "guard"' in line:
-            break
+    first = move_until(topology, "MOVE_G", "guard")
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=30)
     assert [p.name for p in (tmp_path / "state" / "moves").iterdir()], "the guard wrote no capture"
