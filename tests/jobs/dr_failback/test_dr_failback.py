@@ -79,7 +79,8 @@ async def _delete_shovel(topo: Topology, vhost: str, name: str, queue: str) -> N
     async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
         await m.delete(f"/parameters/shovel/{q(vhost)}/{q(name)}")
         deadline = time.monotonic() + 30
-        while (await m.get(f"/queues/{q(vhost)}/{q(queue)}"))["consumers"]:
+        # a queue whose stats were not emitted yet has no "consumers" key: not known yet, not 0
+        while (await m.get(f"/queues/{q(vhost)}/{q(queue)}")).get("consumers", 1):
             assert time.monotonic() < deadline, f"shovel {name} still consumes from {queue}"
             await asyncio.sleep(0.2)
 
