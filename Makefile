@@ -28,12 +28,16 @@ system-packages:
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo.sh
 
+# two workers, each given whole modules in collection order (tests/conftest.py: a lab stops after
+# its last module in a worker); most of a test's time is spent waiting on servers, not on the CPU
+PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(PARALLEL)
 
 # what needs no server and no Spark (marks `lab` and `spark` are enforced at collection): under a minute
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not lab and not spark"
+	$(VENV)/bin/pytest -q $(PARALLEL) -m "not lab and not spark"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check

@@ -6,7 +6,9 @@ no process it started is left (by pid and process group).
 
 A session's lab (and the Spark Connect server) stops after the last module that uses it, and the
 modules that use the ``sites`` lab (relays, whose delays are timed) run last: by then the other
-labs are down and take no CPU from them.
+labs are down and take no CPU from them. ``make test`` runs two workers (pytest-xdist, ``--dist
+loadfile --no-loadscope-reorder``): each gets whole modules in collection order, starts the labs
+they need in a lab directory of its own, and stops each once no later module uses it.
 
 Marks say what a test needs: ``lab`` (real brokers), ``spark`` (a Spark session).
 A test that asks for a lab fixture or the Spark session without its mark is an
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +39,13 @@ import pytest
 from ferry import lab
 from ferry.lab.procs import free_ports, group_members, port_open
 from ferry.topology import Topology, load_topology
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist's workers ignore SIGINT, and a child inherits an ignored signal: the ferry commands a
+    test starts must take Ctrl-C (SIGINT) as a user's would."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
@@ -141,35 +151,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmarked.append(f"{item.nodeid}: has the connect mark without the spark mark")
     if unmarked:
         raise pytest.UsageError("tests whose marks do not say what they need:\n" + "\n".join(unmarked))
-    items.sort(key=lambda item: "sites" in _fixtures(item))  # stable: the relays' modules last
+    # stable: the relays' modules last, the one with most tests first (a worker of `-n 2 --dist
+    # loadfile` gets whole modules in collection order: the two should end together)
+    relays = Counter(_module(item) for item in items if "sites" in _fixtures(item))
+    items.sort(key=lambda item: (_module(item) in relays, -relays[_module(item)]))
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def _fixtures(item: pytest.Item) -> set[str]:
     return set(getattr(item, "fixturenames", ()))
 
 
-_LAST = pytest.StashKey[dict[str, list[str]]]()
+_PLACES = pytest.StashKey[tuple[dict[str, int], dict[str, int]]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Note, for each fixture of EARLY_STOP, the test after which it stops: the end of the run of
-    tests of one module that holds its last user (a module's fixtures are down by then)."""
+    """Note each test's place in the collection and, for each fixture of EARLY_STOP, the place of
+    the end of the module that holds its last user (a module's fixtures are down by then)."""
     items = session.items
-    modules = [item.nodeid.split("::")[0] for item in items]
+    modules = [_module(item) for item in items]
     last = {name: i for i, item in enumerate(items) for name in _fixtures(item) & EARLY_STOP}
-    stops: dict[str, list[str]] = {}
     for name, i in last.items():
         while i + 1 < len(items) and modules[i + 1] == modules[i]:
             i += 1
-        stops.setdefault(items[i].nodeid, []).append(name)
-    session.config.stash[_LAST] = stops
+        last[name] = i
+    session.config.stash[_PLACES] = ({item.nodeid: i for i, item in enumerate(items)}, last)
+
+
+def _stop_passed(item: pytest.Item, after: bool) -> None:
+    """Stop what no test from here on uses: the fixtures whose last user's module this test ends
+    (`after` it ran) or is past. A worker of `-n 2 --dist loadfile` runs whole modules in collection
+    order, so one whose modules skip that last user stops the fixture before its next test."""
+    places, last = item.config.stash.get(_PLACES, ({}, {}))
+    here = places.get(item.nodeid, -1)
+    for name, i in last.items():
+        if i < here or (after and i == here):
+            _stop(name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _stop_passed(item, after=False)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     result = yield
-    for name in item.config.stash.get(_LAST, {}).get(item.nodeid, []):
-        _stop(name)
+    _stop_passed(item, after=True)
     return result
 
 
