@@ -946,7 +946,8 @@ async def test_rabbitmq_rebalance_moves_connections_and_quorum_leaders(rabbit_cl
         # these clients do not come back: no more than the plan is closed, and the end says so, measured
         give = planned_moves(result["proposal"], "connections")
         assert give[first.name] >= 20 and result["evicted"]["connections"] == sum(give.values()), result
-        assert result["outcome"].startswith(f"moved as planned, not balanced: connections now {first.name} "), result
+        said = (result["outcome"], result["now"], result["proposal"])
+        assert result["outcome"].startswith(f"moved as planned, not balanced: connections now {first.name} "), said
         await asyncio.to_thread(wait_for, lambda: on_first() == 40 - give[first.name], 30, "the closed ones unlisted")
         listed = rabbit_get(cluster, "/queues?columns=name,type,node,leader,exclusive,auto_delete")
         sessions = Counter(
