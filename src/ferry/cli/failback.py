@@ -31,7 +31,14 @@ def failback_cmd(
     source: Annotated[str, typer.Option("--from", help="The DR RabbitMQ cluster holding orphaned messages.")],
     target: Annotated[str, typer.Option("--to", help="The main RabbitMQ cluster to bring them to.")],
     vhost: Annotated[str | None, typer.Option(help="Only this vhost (default: every vhost).")] = None,
-    engine: Annotated[str, typer.Option(help="shovel (dynamic shovels) or spark (the data-plane mover).")] = "shovel",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="spark: the data-plane mover, each message once unless a task is killed mid-batch "
+            "(what comes back redelivered is counted); shovel: dynamic shovels on the source, each message "
+            "once unless a shovel ends other than by itself (up to 16 per such end are counted)."
+        ),
+    ] = "spark",
     max_active: Annotated[int, typer.Option(min=1, help="Shovels running at once.")] = 50,
     stall_timeout: Annotated[
         float,
@@ -186,7 +193,7 @@ def interrupted_note(source: str, target: str, engine: str, begun: list[tuple[st
 def _print_failback_plan(plan: dict[str, Any]) -> None:
     out.print(
         f"[bold]failback {plan['source']} -> {plan['target']}[/]: {plan['messages']:,} messages "
-        f"in {len(plan['queues'])} federated queue(s), engine {plan['engine']}"
+        f"in {len(plan['queues'])} federated queue(s), engine {plan['engine']}: {plan['guarantee']}"
     )
     if plan["queues"]:
         table = Table("vhost", "queue", "type", "ready", "target queue")

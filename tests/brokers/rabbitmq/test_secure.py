@@ -232,7 +232,7 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
         del doc["sites"]["ltm"]["clusters"]["ltm"]["outbound_tls"]
         bare = tmp_path / "topology.yaml"
         bare.write_text(yaml.safe_dump(doc))
-        r = ferry("failback", "--from", "ltm", "--to", "pc1", topology=bare)
+        r = ferry("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", topology=bare)
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "give cluster 'ltm' an outbound_tls block" in r.stderr, r.stderr
         assert asyncio.run(_upstream(topo, "ltm")) == upstream

@@ -312,7 +312,7 @@ def test_failback_resumes_after_being_killed_twice(
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # its shovels must outlive the kill by seconds
 def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
     topology, topo = dr["topology"], dr["topo"]
-    args = ("failback", "--from", "ltm", "--to", "pc1", "--max-active", "2")
+    args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", "--max-active", "2")
 
     def transfer_under_way() -> bool:  # early, so the two shovels still have most of their queues
         return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 10 * dr["per_queue"] - 500
@@ -449,7 +449,7 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
             shovels = [s for s in await m.get("/shovels") if s["vhost"] in VHOSTS]
         return bool(shovels) and all(s["state"] == "running" for s in shovels)
 
-    args = ["failback", "--from", "ltm", "--to", "pc1"]
+    args = ["failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel"]
     asyncio.run(write("^$"))
     try:
         stalls("terminated|starting|running")  # refused, it restarts over and over
@@ -472,7 +472,7 @@ def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any],
     ltm = rabbit_dr.proc("ltm")
     lab_rabbit.tool(ltm, "rabbitmq-plugins", "disable", "--online", "rabbitmq_shovel_management")
     try:
-        result = ferry("failback", "--from", "ltm", "--to", "pc1", topology=dr["topology"])
+        result = ferry("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", topology=dr["topology"])
         assert result.returncode != 0
         assert result.stderr.strip() == "error: ltm: the shovel plugin is not enabled (rabbitmq_shovel_management)"
         assert asyncio.run(_upstreams(dr["topo"], "ltm")) == dr["upstreams"]
