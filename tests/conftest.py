@@ -5,7 +5,7 @@ RabbitMQ nodes run as user ``rabbitmq``. Every fixture checks at teardown that
 no process it started is left (by pid and process group).
 
 A session's lab (and the Spark Connect server) stops after the last module that uses it, and the
-modules that use the ``sites`` lab (relays, whose delays are timed) run last: by then the other
+modules that use the ``sites`` lab (relays, whose delays are timed) run last: by then most other
 labs are down and take no CPU from them. ``make test`` runs two workers (pytest-xdist, ``--dist
 loadfile --no-loadscope-reorder``): each gets whole modules in collection order, starts the labs
 they need in a lab directory of its own, and stops each once no later module uses it.
