@@ -360,15 +360,22 @@ def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: 
     url, base = f"http://127.0.0.1:{serve_port}", f"http://127.0.0.1:{prom_port}"
     try:
 
+        def left_in(text: str) -> list[float]:
+            rows = [x for x in text.splitlines() if x.startswith("ferry_failback_messages_left{")]
+            return [float(x.rsplit(" ", 1)[1]) for x in rows]
+
         def shown() -> str | None:
+            # serve's counts are the management API's, up to a statistics interval old (5 s here): a
+            # CI run read the counts from before the transfer began right after the kill
             with contextlib.suppress(httpx.HTTPError):
                 text = httpx.get(f"{url}/metrics", timeout=5).text
                 if 'ferry_operations{kind="dr_failback",state="transferring"} 1.0' in text:
-                    return text if "ferry_failback_messages_left{" in text else None
+                    left = left_in(text)
+                    return text if left and sum(left) < total else None
             return None
 
-        text = wait_for(shown, 60, "serve's /metrics to show the fail-back")
-        left = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("ferry_failback_messages_left{")]
+        text = wait_for(shown, 60, "serve's /metrics to show the fail-back under way")
+        left = left_in(text)
         assert len(left) == 10 and 0 < sum(left) < total, left
         assert 'ferry_operation_progress_ratio{id="ltm->pc1",kind="dr_failback"}' in text
         console = httpx.get(f"{url}/api/console", timeout=10)
