@@ -28,8 +28,8 @@ system-packages:
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo.sh
 
-# two workers, each given whole modules in collection order (tests/conftest.py: a lab stops after
-# its last module in a worker); most of a test's time is spent waiting on servers, not on the CPU
+# two workers, each given whole modules in collection order (tests/conftest.py: a worker stops a lab
+# once no later module uses it); most of a test's time is spent waiting on servers, not on the CPU
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup

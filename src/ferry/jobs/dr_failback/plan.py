@@ -40,7 +40,7 @@ GUARANTEES = {
     "spark": "each message once; a task killed mid-batch may deliver its unacknowledged messages again "
     "(they come back redelivered and are counted as possible duplicates)",
     "shovel": "each message once; a shovel that ends other than by itself (deleted, restarted, a node lost) "
-    "may deliver up to 16 messages again (counted as possible duplicates)",
+    f"may deliver up to {PREFETCH} messages again (counted as possible duplicates)",
 }
 
 
