@@ -46,6 +46,13 @@ def failback_cmd(
             min=10, metavar="SECONDS", help="Stop when a shovel has moved no message (none acked) for this long."
         ),
     ] = 60.0,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            help="After the transfer, count each target queue against what moved and, where it holds more, "
+            "name the message ids it holds twice (reads up to 100,000 per queue, consuming none)."
+        ),
+    ] = True,
     target_queue: Annotated[
         str | None, typer.Option(help="Send every queue's messages to this queue (testing on one cluster).")
     ] = None,
@@ -81,6 +88,7 @@ def failback_cmd(
         dry_run=dry_run,
         abort=abort,
         stall_timeout=stall_timeout,
+        verify=verify,
     )
 
     if status:
@@ -120,7 +128,7 @@ def failback_cmd(
         print_json(report)
     else:
         _print_report(report, source, target, engine)
-    if report.get("possible_duplicates"):
+    if report.get("duplicates") or report.get("unverified_duplicates"):
         raise typer.Exit(DUPLICATES_EXIT)
 
 
@@ -137,7 +145,7 @@ def _print_report(report: dict[str, Any], source: str, target: str, engine: str)
     if report["outcome"] == "dry-run":
         return
     table = Table(
-        "vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after", "duplicates?"
+        "vhost", "queue", "type", "before", "moved", "left", f"{target} before", f"{target} after", "duplicates"
     )
     table.caption = "upstream queues: " + ", ".join(
         f"{u['queue']} via {u['upstream']} {count_or_unknown(u['before'])} -> {count_or_unknown(u['after'])}"
@@ -153,7 +161,7 @@ def _print_report(report: dict[str, Any], source: str, target: str, engine: str)
             f"{r['left']:,}",
             f"{r['target_before']:,}",
             f"{r['target_after']:,}",
-            f"≤ {r['possible_duplicates']:,}" if r["possible_duplicates"] else "0",
+            _duplicates_cell(r),
         )
     out.print(table)
     t = report["total"]
@@ -163,14 +171,30 @@ def _print_report(report: dict[str, Any], source: str, target: str, engine: str)
         f"/{len(report['upstreams_restored'])}; pulled from upstream: {report['upstream_pulled']:,}"
         + (f"; leftover shovels removed: {report['shovels_deleted']}" if report["shovels_deleted"] else "")
     )
-    if report["possible_duplicates"]:
+    for c in report["verification"] or []:
+        if c["verdict"] != "ok":
+            ids = c["duplicate_ids"]
+            named = f": {', '.join(ids)}{' ...' if c['duplicates'] > len(ids) else ''}" if ids else ""
+            out.print(f"  {target} {c['vhost']}/{c['queue']}: {c['verdict']}{named}")
+    if report["verification"] is None and not report["outcome"].startswith("aborted"):
+        out.print(f"not verified (--no-verify): {target}'s queues were not counted against what moved")
+    if report["duplicates"]:
+        out.print(f"[yellow]{report['duplicates']:,} messages reached {target} twice (exit {DUPLICATES_EXIT})[/]")
+    if report["unverified_duplicates"]:
         out.print(
-            f"[yellow]up to {report['possible_duplicates']:,} messages may have reached {target} twice: a "
-            "shovel ended (restarted, deleted, a node lost) after the target confirmed messages whose ack "
-            f"never reached {source} (exit {DUPLICATES_EXIT})[/]"
+            f"[yellow]up to {report['unverified_duplicates']:,} messages may have reached {target} twice, "
+            f"not verified: a shovel ended (restarted, deleted, a node lost) after the target confirmed "
+            f"messages whose ack never reached {source} (exit {DUPLICATES_EXIT})[/]"
             if engine == "shovel"
-            else redelivered_warning(report["possible_duplicates"])
+            else redelivered_warning(report["unverified_duplicates"])
         )
+
+
+def _duplicates_cell(r: dict[str, Any]) -> str:
+    """Duplicates as verified, else at most what ferry counted as possible ("≤ N")."""
+    if r["duplicates"] is not None:
+        return f"{r['duplicates']:,}"
+    return f"≤ {r['possible_duplicates']:,}" if r["possible_duplicates"] else "0"
 
 
 def interrupted_note(source: str, target: str, engine: str, begun: list[tuple[str, dict[str, Any]]]) -> str:

@@ -8,11 +8,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,9 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
-from ferry.brokers.rabbitmq.queue_io import headers_from_json
+from ferry.headers import TRANSFER_HDR
 from ferry.jobs.dr_failback.plan import PREFETCH
+from ferry.jobs.dr_failback.verify import verify
 from ferry.lab import prometheus as lab_prometheus
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab.procs import free_ports
@@ -36,163 +35,23 @@ from tests.helpers import (
     FERRY,
     ferry,
     ferry_killed_when,
-    judge,
     panel_queries,
     prom_query,
     queue_depth,
-    snapshot_here,
     wait_for,
+)
+from tests.jobs.dr_failback.setting import (
+    VHOSTS,
+    assert_done,
+    audit_pc1,
+    delete_shovel,
+    depths,
+    expected_in,
+    leftovers,
+    upstream_defs,
 )
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
-
-VHOSTS = {"fb-a": [f"fed-{i}" for i in range(5)], "fb /#%ü": [f"fed q/{i}#ü" for i in range(5)]}
-# messages per federated queue: enough to watch a fail-back move, small enough for the suite's time; a
-# test that kills a transfer midway asks for more (`@pytest.mark.parametrize("dr", [N], indirect=True)`)
-PER_QUEUE = 2_000
-PLAIN = 100
-
-
-async def _counts(topo: Topology, cluster: str, names: list[str]) -> dict[str, int]:
-    out = {}
-    for vhost, queues in VHOSTS.items():
-        for queue in [*queues, *names]:
-            out[f"{vhost}|{queue}"] = await queue_depth(topo, cluster, vhost, queue)
-    return out
-
-
-async def _upstreams(topo: Topology, cluster: str) -> dict[str, Any]:
-    async with Management(topo.rabbitmq(cluster), name=cluster) as m:
-        return {v: await m.get(f"/parameters/federation-upstream/{q(v)}/art", ok404=True) for v in VHOSTS}
-
-
-async def _leftovers(topo: Topology) -> dict[str, Any]:
-    async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
-        return {
-            "shovels": [p for p in await m.get("/parameters/shovel") if p["vhost"] in VHOSTS],
-            "journal": await m.get("/global-parameters/ferry-failback", ok404=True),
-        }
-
-
-async def _delete_shovel(topo: Topology, vhost: str, name: str, queue: str) -> None:
-    """Delete a shovel and wait until its queue has no consumer (its unacked messages are back)."""
-    async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
-        await m.delete(f"/parameters/shovel/{q(vhost)}/{q(name)}")
-        deadline = time.monotonic() + 30
-        # a queue whose stats were not emitted yet has no "consumers" key: not known yet, not 0
-        while (await m.get(f"/queues/{q(vhost)}/{q(queue)}")).get("consumers", 1):
-            assert time.monotonic() < deadline, f"shovel {name} still consumes from {queue}"
-            await asyncio.sleep(0.2)
-
-
-@pytest.fixture
-def dr(rabbit_dr: lab.LabState, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """The setting with 10 x PER_QUEUE messages on ltm (ledger in tmp_path/ledger; a test may ask
-    for another number) and 100 in each plain queue."""
-    per_queue = getattr(request, "param", PER_QUEUE)
-    topo = profile_topology(rabbit_dr)
-    topology = rabbit_dr.path / "topology.yaml"
-    for vhost, queues in VHOSTS.items():
-        asyncio.run(dr_federation(topo, [vhost], queues, upstream_messages=50))
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    for i, vhost in enumerate(VHOSTS):
-        part = tmp_path / f"ledger-{i}"
-        pattern = VHOSTS[vhost][0].replace("0", "{n}")
-        ferry(
-            "load",
-            f"rabbitmq://ltm/{q(vhost)}",
-            "--subject",
-            pattern,
-            "--subjects",
-            "5",
-            "--count",
-            str(5 * per_queue),
-            "--producers",
-            "2",
-            "--ledger",
-            str(part),
-            topology=topology,
-            check=True,
-        )
-        for f in part.glob("*.parquet"):
-            shutil.copy(f, ledger / f"{i}-{f.name}")
-        asyncio.run(fill_queue(topo, "ltm", vhost, "plain-0", PLAIN))
-    asyncio.run(_publish_rich(topo))
-    yield {
-        "per_queue": per_queue,
-        "topo": topo,
-        "topology": topology,
-        "ledger": ledger,
-        "password": topo.rabbitmq("ltm").credentials.password(),  # type: ignore[union-attr]
-        "art": asyncio.run(_counts(topo, "art", [])),
-        "upstreams": asyncio.run(_upstreams(topo, "ltm")),
-    }
-
-    async def drop() -> None:
-        for name in ("art", "pc1", "ltm"):
-            async with Management(topo.rabbitmq(name), name=name) as m:
-                for vhost in VHOSTS:
-                    await m.delete(f"/vhosts/{q(vhost)}")
-                await m.delete("/global-parameters/ferry-failback")
-
-    asyncio.run(drop())
-
-
-RICH = {
-    "content_type": "application/json",
-    "correlation_id": "corr-1",
-    "priority": 3,
-    "message_id": "rich-1",
-    "app_id": "ferry-test",
-    "type": "order",
-}
-RICH_HEADERS = {"tenant": "eu", "n": 7, "nested": {"k": [1, "two"]}, "ü": True}
-
-
-async def _publish_rich(topo: Topology) -> None:
-    """One message with properties and nested headers, on fb-a/fed-4 (which then holds one more)."""
-    conn = await amqp_connect(topo.rabbitmq("ltm"), vhost="fb-a")
-    try:
-        ch = await conn.channel(publisher_confirms=True)
-        msg = aio_pika.Message(b'{"rich": 1}', headers=RICH_HEADERS, delivery_mode=2, **RICH)  # type: ignore[arg-type]
-        await ch.default_exchange.publish(msg, routing_key="fed-4")
-    finally:
-        await conn.close()
-
-
-def _expected(dr: dict[str, Any], vhost: str, queue: str) -> int:
-    return dr["per_queue"] + (vhost == "fb-a" and queue == "fed-4")
-
-
-def _assert_rich_preserved(snapshot: Path) -> None:
-    rows = pq.read_table(snapshot).to_pylist()
-    (rich,) = [r for r in rows if r["properties"]["message_id"] == "rich-1"]
-    props = rich["properties"]
-    assert {k: props[k] for k in RICH} == RICH and props["delivery_mode"] == 2
-    headers = headers_from_json(props["headers"])
-    assert headers["tenant"] == "eu" and headers["n"] == 7 and headers["ü"] is True
-    assert headers["nested"] == {"k": [1, "two"]}
-    assert rich["payload"] == b'{"rich": 1}'
-
-
-def _audit(spark: Any, dr: dict[str, Any], tmp_path: Path, max_dup: int = 0) -> dict[str, Any]:
-    snap = tmp_path / "pc1-snap"
-    snapshot_here(spark, dr["topology"], "rabbitmq://pc1/*/fed*", snap)
-    _assert_rich_preserved(snap)
-    return judge(spark, dr["topology"], dr["ledger"], str(snap), tmp_path / "audit.html", max_dup=max_dup)
-
-
-def _assert_done(dr: dict[str, Any]) -> None:
-    topo = dr["topo"]
-    ltm = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
-    pc1 = asyncio.run(_counts(topo, "pc1", []))
-    for key, n in ltm.items():
-        assert n == (PLAIN if key.endswith("plain-0") else 0), key  # drained; unfederated untouched
-    assert all(n >= _expected(dr, *key.split("|")) for key, n in pc1.items()), pc1
-    assert asyncio.run(_counts(topo, "art", [])) == dr["art"]  # nothing pulled from upstream
-    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]  # restored exactly
-    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
 
 
 @pytest.mark.connect
@@ -201,16 +60,16 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     dr: dict[str, Any], tmp_path: Path, engine: str, spark: Any
 ) -> None:
     topology, topo = dr["topology"], dr["topo"]
-    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+    before = asyncio.run(depths(topo, "ltm", ["plain-0"]))
 
     dry = ferry("failback", "--from", "ltm", "--to", "pc1", "--dry-run", "--json", topology=topology, check=True)
     plan = json.loads(dry.stdout)["plan"]
     mine = [x for x in plan["queues"] if x["vhost"] in VHOSTS]
-    assert len(mine) == 10 and all(x["before"] == _expected(dr, x["vhost"], x["queue"]) for x in mine)
+    assert len(mine) == 10 and all(x["before"] == expected_in(dr, x["vhost"], x["queue"]) for x in mine)
     assert {(u["vhost"], u["name"]) for u in plan["upstreams"]} >= {(v, "art") for v in VHOSTS}
     assert dr["password"] not in dry.stdout + dry.stderr  # upstream URIs carry the password
-    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # the dry run changed nothing
-    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(depths(topo, "ltm", ["plain-0"])) == before  # the dry run changed nothing
+    assert asyncio.run(upstream_defs(topo, "ltm")) == dr["upstreams"]
 
     result = ferry(
         "failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--max-active", "4", "--json",
@@ -218,16 +77,19 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
+    assert report["outcome"] == "complete" and report["possible_duplicates"] == report["duplicates"] == 0, report
+    # verified from pc1's own counts: each target holds what it held plus what moved, no more
+    checks = [c for c in report["verification"] if c["vhost"] in VHOSTS]
+    assert len(checks) == 10 and all(c["verdict"] == "ok" and c["held"] == c["expected"] for c in checks), checks
     rows = [r for r in report["queues"] if r["vhost"] in VHOSTS]
-    assert [r["moved"] for r in rows] == [_expected(dr, r["vhost"], r["queue"]) for r in rows]
+    assert [r["moved"] for r in rows] == [expected_in(dr, r["vhost"], r["queue"]) for r in rows]
     assert all(r["possible_duplicates"] == r["arrived"] == 0 for r in rows), rows
     assert len(rows) == 10 and all(r["left"] == 0 for r in rows)
     assert all(u["identical"] for u in report["upstreams_restored"])
     assert report["upstream_pulled"] == 0
     assert all(u["before"] == u["after"] == 50 for u in report["upstream_queues"] if u["vhost"] in VHOSTS)
     assert dr["password"] not in result.stdout + result.stderr
-    _assert_done(dr)
+    assert_done(dr)
     # progress starts as the move starts (a progress bar's clock starts there): the rate is the
     # messages moved over the seconds of the move
     events = [json.loads(x) for x in result.stderr.splitlines() if x.startswith('{"event": ')]
@@ -239,7 +101,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
     expected = last["moved"] / (last["t"] - first["t"])
     assert abs(last["rate"] - expected) < 0.2 * expected, (last, first)
 
-    tier = _audit(spark, dr, tmp_path)  # every message once, counted by id (quorum queues too: issue 46)
+    tier = audit_pc1(spark, dr, tmp_path)  # every message once, counted by id (quorum queues too: issue 46)
     assert tier["lost"] == tier["extra_copies"] == 0 and tier["tier_messages"] >= 10 * dr["per_queue"]
 
     again = ferry("failback", "--from", "ltm", "--to", "pc1", "--json", topology=topology, check=True)
@@ -281,32 +143,33 @@ def test_failback_resumes_after_being_killed_twice(
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "spark")
 
     def upstreams_gone() -> bool:
-        return not any(asyncio.run(_upstreams(topo, "ltm")).values())
+        return not any(asyncio.run(upstream_defs(topo, "ltm")).values())
 
     def transfer_under_way() -> bool:
-        left = sum(asyncio.run(_counts(topo, "ltm", [])).values())
+        left = sum(asyncio.run(depths(topo, "ltm", [])).values())
         return left < 7 * dr["per_queue"]
 
     ferry_killed_when(upstreams_gone, *args, topology=topology)
-    journal = asyncio.run(_leftovers(topo))["journal"]
+    journal = asyncio.run(leftovers(topo))["journal"]
     assert journal is not None and journal["value"]["phase"] in ("disabling", "transferring")
-    assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled, definitions in the journal
+    assert not any(asyncio.run(upstream_defs(topo, "ltm")).values())  # still disabled, definitions in the journal
     asyncio.run(_linger(topo, rabbit_dr.proc("ltm"), "fb-a", dr["upstreams"]["fb-a"]))
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
-    assert sum(asyncio.run(_counts(topo, "ltm", [])).values()) > 0  # killed before the end
+    assert sum(asyncio.run(depths(topo, "ltm", [])).values()) > 0  # killed before the end
 
     elsewhere = tmp_path / "another-machine"
     elsewhere.mkdir()
     result = ferry(*args, "--json", topology=topology, cwd=elsewhere)
     report = json.loads(result.stdout)
-    assert result.returncode == (3 if report["possible_duplicates"] else 0), result.stderr[-3000:]
+    assert result.returncode == (3 if report["duplicates"] else 0), result.stderr[-3000:]
     assert report["outcome"].startswith("complete") and report["total"]["left"] == 0
+    assert report["unverified_duplicates"] == 0  # every target checked: the duplicates are known
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     assert report["total"]["before"] == 10 * dr["per_queue"] + 1  # from the journal: the counts before the first run
-    _assert_done(dr)
-    tier = _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])
-    assert tier["lost"] == 0
+    assert_done(dr)
+    tier = audit_pc1(spark, dr, tmp_path, max_dup=10**6)
+    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
 
 
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # its shovels must outlive the kill by seconds
@@ -315,13 +178,13 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", "--max-active", "2")
 
     def transfer_under_way() -> bool:  # early, so the two shovels still have most of their queues
-        return sum(asyncio.run(_counts(topo, "ltm", [])).values()) < 10 * dr["per_queue"] - 500
+        return sum(asyncio.run(depths(topo, "ltm", [])).values()) < 10 * dr["per_queue"] - 500
 
     ferry_killed_when(transfer_under_way, *args, topology=topology)
     # the broker keeps shovelling without ferry; the rerun adopts the shovels still running. One
     # shovel ends while ferry is down (deleted here): the messages it held unacked come back to its
     # queue after they may have reached the target, so the rerun counts its queue as possible duplicates
-    left = asyncio.run(_leftovers(topo))
+    left = asyncio.run(leftovers(topo))
     assert left["journal"]["value"]["phase"] == "transferring"
 
     def still_to_move(shovel: dict[str, Any]) -> int:
@@ -329,20 +192,21 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
 
     ended = max(left["shovels"], key=still_to_move)  # the first listed had sometimes drained its queue already
     queue = ended["value"]["src-queue"]
-    asyncio.run(_delete_shovel(topo, ended["vhost"], ended["name"], queue))
+    asyncio.run(delete_shovel(topo, ended["vhost"], ended["name"], queue))
     requeued = asyncio.run(queue_depth(topo, "ltm", ended["vhost"], queue))
     assert requeued > 0
     _serve_shows_the_failback(topology, topo, tmp_path, 10 * dr["per_queue"])  # still on record, with queues left
     result = ferry(*args, "--json", topology=topology, cwd=tmp_path)
-    assert result.returncode == 3, result.stderr[-3000:]  # finished, with possible duplicates
     report = json.loads(result.stdout)
-    assert report["outcome"].startswith("complete, with up to") and report["total"]["left"] == 0
+    assert result.returncode == (3 if report["duplicates"] else 0), result.stderr[-3000:]
+    assert report["outcome"].startswith("complete") and report["total"]["left"] == 0
     # at most what the deleted shovel held unacked (its prefetch) may have reached pc1 before
     (row,) = [r for r in report["queues"] if (r["vhost"], r["queue"]) == (ended["vhost"], queue)]
     assert 0 < row["possible_duplicates"] <= PREFETCH, row
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
-    _assert_done(dr)
-    assert _audit(spark, dr, tmp_path, max_dup=report["possible_duplicates"])["lost"] == 0
+    assert_done(dr)
+    tier = audit_pc1(spark, dr, tmp_path, max_dup=PREFETCH)
+    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
 
 
 def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: int) -> None:
@@ -396,8 +260,8 @@ def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: 
 @pytest.mark.connect
 def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
-    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
-    upstream = asyncio.run(_counts(topo, "art", []))
+    before = asyncio.run(depths(topo, "ltm", ["plain-0"]))
+    upstream = asyncio.run(depths(topo, "art", []))
     text = topology.read_text()
     bad_password = tmp_path / "wrong"
     bad_password.write_text("not-the-password")
@@ -420,10 +284,10 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     # a snapshot of federated queues pulls nothing from their upstream (art's counts, below)
     snap = ferry("snapshot", "rabbitmq://ltm/fb-a/fed-*", "--out", str(tmp_path / "snap"), topology=topology)
     assert snap.returncode == 0, snap.stderr
-    assert asyncio.run(_counts(topo, "art", [])) == upstream
-    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before
-    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
-    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+    assert asyncio.run(depths(topo, "art", [])) == upstream
+    assert asyncio.run(depths(topo, "ltm", ["plain-0"])) == before
+    assert asyncio.run(upstream_defs(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(leftovers(topo)) == {"shovels": [], "journal": None}
 
 
 def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
@@ -449,7 +313,7 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
         last = stalled.stderr.strip().splitlines()[-1]  # one line, the shovel's Erlang reason too
         assert re.search(rf"moved no message for 10s \(({states})", last), last
         assert "rerun to continue, or --abort" in last and dr["password"] not in stalled.stderr, last
-        assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # still disabled: nothing pulls
+        assert not any(asyncio.run(upstream_defs(topo, "ltm")).values())  # still disabled: nothing pulls
 
     async def running() -> bool:
         async with Management(topo.rabbitmq("ltm"), name="ltm") as m:
@@ -469,10 +333,12 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
             lab_rabbit.tool(pc1, "rabbitmqctl", "set_vm_memory_high_watermark", str(lab_rabbit.MEMORY_WATERMARK))
     finally:
         asyncio.run(write(".*"))
-    finished = ferry(*args, topology=topology)
-    assert finished.returncode in (0, 3), finished.stderr  # shovels that ran and restarted: possible duplicates
-    _assert_done(dr)
-    assert _audit(spark, dr, tmp_path, max_dup=10**6)["lost"] == 0
+    finished = ferry(*args, "--json", topology=topology)
+    report = json.loads(finished.stdout)
+    assert finished.returncode == (3 if report["duplicates"] else 0), finished.stderr  # shovels restarted
+    assert_done(dr)
+    tier = audit_pc1(spark, dr, tmp_path, max_dup=10**6)
+    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
 
 
 def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any], rabbit_dr: lab.LabState) -> None:
@@ -482,8 +348,8 @@ def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any],
         result = ferry("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", topology=dr["topology"])
         assert result.returncode != 0
         assert result.stderr.strip() == "error: ltm: the shovel plugin is not enabled (rabbitmq_shovel_management)"
-        assert asyncio.run(_upstreams(dr["topo"], "ltm")) == dr["upstreams"]
-        assert asyncio.run(_leftovers(dr["topo"]))["journal"] is None
+        assert asyncio.run(upstream_defs(dr["topo"], "ltm")) == dr["upstreams"]
+        assert asyncio.run(leftovers(dr["topo"]))["journal"] is None
     finally:
         lab_rabbit.tool(ltm, "rabbitmq-plugins", "enable", "--online", "rabbitmq_shovel_management")
     assert lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in rabbit_dr.rabbit if n["name"] == "ltm"],
@@ -492,7 +358,7 @@ def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any],
 
 def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     topology, topo = dr["topology"], dr["topo"]
-    before = asyncio.run(_counts(topo, "ltm", ["plain-0"]))
+    before = asyncio.run(depths(topo, "ltm", ["plain-0"]))
 
     async def while_locked() -> Any:  # another ferry holds the lock queue
         conn = await amqp_connect(topo.rabbitmq("ltm"), vhost="/")
@@ -505,10 +371,10 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
 
     locked = asyncio.run(while_locked())
     assert locked.returncode != 0 and "another ferry failback is running" in locked.stderr
-    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(upstream_defs(topo, "ltm")) == dr["upstreams"]
 
     def upstreams_gone() -> bool:
-        return not any(asyncio.run(_upstreams(topo, "ltm")).values())
+        return not any(asyncio.run(upstream_defs(topo, "ltm")).values())
 
     base = ("failback", "--from", "ltm", "--to", "pc1")
     code, said = ferry_killed_when(upstreams_gone, *base, "--engine", "spark", topology=topology, sig=signal.SIGINT)
@@ -521,18 +387,18 @@ def test_one_failback_at_a_time_and_abort_restores(dr: dict[str, Any]) -> None:
     assert "--abort would remove ferry's shovels and restore the upstream(s)" in would, would
     status = json.loads(ferry(*base, "--status", "--json", topology=topology, check=True).stdout)
     assert status["resuming"]["id"] == view["resuming"]["id"] and set(status["left"]) == set(view["left"])
-    assert not any(asyncio.run(_upstreams(topo, "ltm")).values())  # the dry run restored nothing
+    assert not any(asyncio.run(upstream_defs(topo, "ltm")).values())  # the dry run restored nothing
     moved_to = ferry("failback", "--from", "ltm", "--to", "ltm", "--target-queue", "x", topology=topology)
     assert moved_to.returncode != 0 and "rerun it with --to pc1" in moved_to.stderr  # the journal's target wins
 
     aborted = ferry("failback", "--from", "ltm", "--to", "pc1", "--abort", "--json", topology=topology, check=True)
     report = json.loads(aborted.stdout)
     assert report["outcome"] == "aborted" and all(u["identical"] for u in report["upstreams_restored"])
-    assert asyncio.run(_upstreams(topo, "ltm")) == dr["upstreams"]
-    assert asyncio.run(_leftovers(topo)) == {"shovels": [], "journal": None}
+    assert asyncio.run(upstream_defs(topo, "ltm")) == dr["upstreams"]
+    assert asyncio.run(leftovers(topo)) == {"shovels": [], "journal": None}
     nothing = ferry(*base, "--status", topology=topology)
     assert nothing.returncode == 1 and "no failback from ltm is on record" in nothing.stderr
-    assert asyncio.run(_counts(topo, "ltm", ["plain-0"])) == before  # killed before the transfer began
+    assert asyncio.run(depths(topo, "ltm", ["plain-0"])) == before  # killed before the transfer began
     for dry in ((), ("--dry-run",)):
         nothing = ferry(*base, "--abort", *dry, "--json", topology=topology, check=True)
         assert json.loads(nothing.stdout)["outcome"] == "nothing to abort"
@@ -595,3 +461,67 @@ def test_a_federated_queue_snapshot_keeps_queue_order_and_what_the_queue_held(
                     await m.delete("/vhosts/snap")
 
         asyncio.run(drop())
+
+
+@pytest.mark.connect
+def test_the_check_after_a_transfer_counts_from_the_broker_and_names_duplicated_ids(rabbit_dr: lab.LabState) -> None:
+    """The verification step on pc1's real queues: a target holding more than it held before plus
+    what moved has its duplicated ids named (by message id, or by the spark engine's mark where
+    messages have none); one holding fewer, or read by a consumer, is said so; nothing is consumed."""
+    topo, vhost = profile_topology(rabbit_dr), "fb-verify"
+    cluster = topo.rabbitmq("pc1")
+    ids = [f"m-{i}" for i in range(100)] + ["m-3", "m-7", "m-7"]
+
+    def with_id(i: int) -> aio_pika.Message:
+        return aio_pika.Message(b"x", message_id=ids[i], delivery_mode=2)
+
+    async def run() -> None:
+        async with Management(cluster, name="pc1") as m:
+            await m.put(f"/vhosts/{q(vhost)}", {})
+            perms = {"configure": ".*", "write": ".*", "read": ".*"}
+            await m.put(f"/permissions/{q(vhost)}/{q(cluster.credentials.user)}", perms)  # type: ignore[union-attr]
+            for name, kind in (("twice", "quorum"), ("marked", "classic"), ("fewer", "classic"), ("read", "classic")):
+                await m.put(f"/queues/{q(vhost)}/{name}", {"durable": True, "arguments": {"x-queue-type": kind}})
+            for i in range(15):  # 12 marked for 10 moved, 3 from before; no message_id (aio-pika sets one)
+                props = {"headers": {TRANSFER_HDR: "t-1" if i < 12 else "t-0"}}
+                body = {"routing_key": "marked", "payload": str(i), "payload_encoding": "string", "properties": props}
+                await m.request("POST", f"/exchanges/{q(vhost)}/amq.default/publish", json=body)
+        await fill_queue(topo, "pc1", vhost, "twice", len(ids), with_id)
+        await fill_queue(topo, "pc1", vhost, "fewer", 5)
+        await fill_queue(topo, "pc1", vhost, "read", 3)
+        rows = [
+            {"vhost": vhost, "queue": "twice", "target": "twice", "target_before": 0, "moved": 100},
+            {"vhost": vhost, "queue": "marked", "target": "marked", "target_before": 3, "moved": 10},
+            {"vhost": vhost, "queue": "fewer", "target": "fewer", "target_before": 0, "moved": 8},
+            {"vhost": vhost, "queue": "read", "target": "read", "target_before": 0, "moved": 3},
+        ]
+        conn = await amqp_connect(cluster, vhost=vhost)
+        try:
+            ch = await conn.channel()
+            await (await ch.get_queue("read", ensure=False)).consume(_hold)  # holds them unacked
+            checks = {c["queue"]: c for c in await verify(cluster, "pc1", "t-1", rows)}
+        finally:
+            await conn.close()
+        twice = checks["twice"]
+        assert (twice["extra"], twice["duplicates"], twice["duplicate_ids"]) == (3, 3, ["m-3", "m-7"]), twice
+        assert twice["sampled"] == 103 and "3 held twice by message id (103 read)" in twice["verdict"]
+        mark = checks["marked"]
+        assert (mark["extra"], mark["marked"], mark["duplicates"]) == (2, 12, 2), mark
+        assert checks["fewer"]["duplicates"] is None and checks["fewer"]["verdict"].startswith("3 fewer than expected")
+        assert checks["read"]["extra"] is None and checks["read"]["verdict"].startswith("not checked: 1 consumer")
+        after = {name: await queue_depth(topo, "pc1", vhost, name) for name in checks}
+        assert after == {"twice": 103, "marked": 15, "fewer": 5, "read": 3}, after  # consumed none
+
+    try:
+        asyncio.run(run())
+    finally:
+
+        async def drop() -> None:
+            async with Management(cluster, name="pc1") as m:
+                await m.delete(f"/vhosts/{q(vhost)}")
+
+        asyncio.run(drop())
+
+
+async def _hold(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    """A consumer that never acks."""

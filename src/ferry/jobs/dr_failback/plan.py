@@ -56,6 +56,7 @@ class FailbackRequest:
     abort: bool = False  # restore the upstreams and clean up without finishing
     link_timeout: float = 30.0  # seconds for federation links to stop
     stall_timeout: float = 60.0  # seconds a shovel may move no message (none acked) before the failback stops
+    verify: bool = True  # check the targets against what moved (verify.py)
 
 
 def public(plan: dict[str, Any]) -> dict[str, Any]:

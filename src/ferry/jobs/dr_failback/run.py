@@ -27,6 +27,7 @@ from ferry.jobs.dr_failback.plan import (
     resume_view,
     upstream_counts,
 )
+from ferry.jobs.dr_failback.verify import verify
 from ferry.jobs.shared.events import Emit, no_emit
 from ferry.spark.session import factory
 from ferry.topology import RabbitCluster, Topology
@@ -248,7 +249,8 @@ async def _finish(
     emit: Emit,
     aborted: bool = False,
 ) -> dict[str, Any]:
-    """Delete ferry's shovels, restore the upstreams and compare, report, delete the journal."""
+    """Delete ferry's shovels, restore the upstreams and compare, delete the journal, check the
+    targets against what moved, report."""
     shovels_deleted = await delete_shovels(sm, journal)
     duplicates = journal.get("duplicates", {})
     src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
@@ -299,10 +301,8 @@ async def _finish(
         {**u, "before": before.get((u["vhost"], u["upstream"], u["queue"])), "after": u.pop("messages")}
         for u in upstream_after
     ]
-    twice = [r for r in rows if r["possible_duplicates"]]
-    outcome = "aborted" if aborted else "complete"
-    if twice:
-        outcome += f", with up to {sum(r['possible_duplicates'] for r in twice):,} duplicates on {len(twice)} queues"
+    checks = None if aborted or not req.verify else await verify(dst_c, req.target, journal["id"], rows)
+    outcome = ("aborted" if aborted else "complete") + _duplicates(rows, checks or [])
     report = {
         "outcome": outcome,
         "id": journal["id"],
@@ -319,5 +319,29 @@ async def _finish(
         ),
         "shovels_deleted": shovels_deleted,
         "possible_duplicates": sum(r["possible_duplicates"] for r in rows),
+        "duplicates": sum(r["duplicates"] or 0 for r in rows),
+        "unverified_duplicates": sum(r["possible_duplicates"] for r in rows if r["duplicates"] is None),
+        "verification": checks,
     }
     return report
+
+
+def _duplicates(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+    """Give each row what the check knows of its duplicates (None: not known; a target shared by
+    several queues is known only as a whole), and say in the outcome what was delivered twice."""
+    by_target = {(c["vhost"], c["queue"]): c for c in checks}
+    for r in rows:
+        c = by_target.get((r["vhost"], r["target"]))
+        r["check"] = c["verdict"] if c else None
+        if c and c["duplicates"] is not None and len(c["sources"]) > 1:  # known for the target only
+            r["duplicates"] = 0 if c["duplicates"] == 0 else None
+        else:
+            r["duplicates"] = c["duplicates"] if c else None
+    said = []
+    known = [r for r in rows if r["duplicates"]]
+    if known:
+        said.append(f"{sum(r['duplicates'] for r in known):,} duplicates on {len(known)} queues")
+    maybe = [r for r in rows if r["duplicates"] is None and r["possible_duplicates"]]
+    if maybe:
+        said.append(f"up to {sum(r['possible_duplicates'] for r in maybe):,} duplicates on {len(maybe)} queues")
+    return ", with " + " and ".join(said) if said else ""

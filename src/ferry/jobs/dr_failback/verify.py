@@ -1,0 +1,90 @@
+"""The check after a fail-back's transfer: each target queue holds what it held before plus what
+moved, counted from the broker (passive declares: the management API lags by seconds); where it
+holds more, a bounded read that consumes nothing names the message ids it holds twice."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any
+
+from ferry.brokers.rabbitmq.queue_io import snapshot_queue
+from ferry.brokers.rabbitmq.wire import QueueCounts
+from ferry.headers import TRANSFER_HDR
+from ferry.topology import RabbitCluster
+
+SAMPLE = 100_000  # messages read at most per target queue to name its duplicated ids
+NAMED = 10  # duplicated ids named per queue
+
+
+async def verify(
+    cluster: RabbitCluster, name: str, transfer_id: str, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One check per target queue of `rows` (the report's queue rows; several rows share a target
+    with --target-queue). A target with consumers is not checked: what they took is not counted."""
+    targets: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        targets.setdefault((r["vhost"], r["target"]), []).append(r)
+    checks = []
+    counts = QueueCounts(cluster, name)
+    try:
+        for (vhost, queue), group in targets.items():
+            held, consumers = await counts.state(vhost, queue)
+            expected = group[0]["target_before"] + sum(r["moved"] for r in group)  # before: from the plan
+            check: dict[str, Any] = {
+                "vhost": vhost,
+                "queue": queue,
+                "sources": [r["queue"] for r in group],
+                "moved": sum(r["moved"] for r in group),
+                "expected": expected,
+                "held": held,
+                "consumers": consumers,
+                "extra": None if consumers else held - expected,
+                "duplicates": None,  # messages held more than once, where known
+                "duplicate_ids": [],
+                "sampled": 0,
+                "marked": None,  # messages carrying this fail-back's x-ferry-transfer (spark engine)
+            }
+            if consumers:
+                check["verdict"] = f"not checked: {consumers} consumer(s) on the target"
+            elif held == expected:
+                check["duplicates"], check["verdict"] = 0, "ok"
+            elif held < expected:
+                check["verdict"] = f"{expected - held:,} fewer than expected: consumed on the target meanwhile?"
+            else:
+                await _sample(cluster, name, check, transfer_id)
+            checks.append(check)
+    finally:
+        await counts.close()
+    return checks
+
+
+async def _sample(cluster: RabbitCluster, name: str, check: dict[str, Any], transfer_id: str) -> None:
+    """Read up to SAMPLE messages of the target queue, none consumed (they are requeued, flagged
+    redelivered), and count the ids held more than once."""
+    ids: Counter[str] = Counter()
+    marked = 0
+    reader = snapshot_queue(cluster, name, check["vhost"], check["queue"], batch_size=5_000)
+    async with contextlib.aclosing(reader):
+        async for batch in reader:
+            ids.update(x for x in batch.column("msg_id").to_pylist() if x)
+            marked += sum(
+                bool(h) and dict(h).get(TRANSFER_HDR) == transfer_id for h in batch.column("headers").to_pylist()
+            )
+            check["sampled"] += batch.num_rows
+            if check["sampled"] >= SAMPLE:
+                break
+    whole = check["sampled"] >= check["held"]
+    twice = sorted(i for i, n in ids.items() if n > 1)
+    check["marked"] = marked or None
+    check["duplicate_ids"] = twice[:NAMED]
+    extra = f"{check['extra']:,} more than expected"
+    of = f"{check['sampled']:,} read" + ("" if whole else f" of {check['held']:,}")
+    if ids:
+        check["duplicates"] = sum(ids[i] - 1 for i in twice)
+        check["verdict"] = f"{extra}; {check['duplicates']:,} held twice by message id ({of})"
+    elif marked and whole:  # the spark engine's mark: what it published beyond what left the source
+        check["duplicates"] = max(0, marked - check["moved"])
+        check["verdict"] = f"{extra}; {marked:,} carry this fail-back's mark for {check['moved']:,} moved"
+    else:
+        check["verdict"] = f"{extra}; no message ids to name duplicates by ({of})"
