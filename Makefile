@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the lab and tests need (installed with apt-get when missing; needs root).
 DEBS  := rabbitmq-server haproxy chromium nats-server prometheus
 
-.PHONY: setup system-packages demo test test-fast lint bench clean
+.PHONY: setup system-packages demo test test-faults test-fast lint bench clean
 
 setup: $(STAMP) system-packages
 	$(PY) -m ferry.spark.session
@@ -33,7 +33,11 @@ demo: setup
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup
-	$(VENV)/bin/pytest -q $(PARALLEL)
+	$(VENV)/bin/pytest -q $(PARALLEL) -m "not faults"
+
+# the fault matrices: every cell (kills at every step, repeated runs), about half an hour
+test-faults: setup
+	$(VENV)/bin/pytest -q $(PARALLEL) -m faults
 
 # what needs no server and no Spark (marks `lab` and `spark` are enforced at collection): under a minute
 test-fast: $(STAMP)

@@ -52,6 +52,7 @@ def spark_move(
     spark: Callable[[], Any],
 ) -> None:
     """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
+    session = spark()  # first: the thread making it imports pyspark, which two threads at once leave half-made
     from ferry.jobs.copy.plan import CopyOptions, CopyPlan
     from ferry.jobs.copy.run import run_copy
     from ferry.uris import Endpoint
@@ -73,7 +74,7 @@ def spark_move(
         ],
         transfer_id=journal["id"],
     )
-    report = run_copy(topo, plan, spark())
+    report = run_copy(topo, plan, session)
     duplicates = journal.setdefault("duplicates", {})
     for row in report.queues:  # came redelivered: an earlier run may have stored them
         if row.get("redelivered"):
