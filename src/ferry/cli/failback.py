@@ -34,9 +34,10 @@ def failback_cmd(
     engine: Annotated[
         str,
         typer.Option(
-            help="spark: the data-plane mover, each message once unless a task is killed mid-batch "
-            "(what comes back redelivered is counted); shovel: dynamic shovels on the source, each message "
-            "once unless a shovel ends other than by itself (up to 16 per such end are counted)."
+            help="spark: the data-plane mover, each message once; after a killed run, what comes back and the "
+            "target holds by message id is not delivered again (without an id it may be: counted); shovel: "
+            "dynamic shovels on the source, each message once unless a shovel ends other than by itself (up to "
+            "16 per such end are counted)."
         ),
     ] = "spark",
     max_active: Annotated[int, typer.Option(min=1, help="Shovels running at once.")] = 50,
@@ -178,6 +179,11 @@ def _print_report(report: dict[str, Any], source: str, target: str, engine: str)
             out.print(f"  {target} {c['vhost']}/{c['queue']}: {c['verdict']}{named}")
     if report["verification"] is None and not report["outcome"].startswith("aborted"):
         out.print(f"not verified (--no-verify): {target}'s queues were not counted against what moved")
+    if t["already_there"]:
+        out.print(
+            f"{t['already_there']:,} messages a killed run had delivered came back to {source}: acked there, "
+            "not delivered again"
+        )
     if report["duplicates"]:
         out.print(f"[yellow]{report['duplicates']:,} messages reached {target} twice (exit {DUPLICATES_EXIT})[/]")
     if report["unverified_duplicates"]:

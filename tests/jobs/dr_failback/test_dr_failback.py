@@ -162,9 +162,10 @@ def test_failback_resumes_after_being_killed_twice(
     elsewhere.mkdir()
     result = ferry(*args, "--json", topology=topology, cwd=elsewhere)
     report = json.loads(result.stdout)
-    assert result.returncode == (3 if report["duplicates"] else 0), result.stderr[-3000:]
-    assert report["outcome"].startswith("complete") and report["total"]["left"] == 0
-    assert report["unverified_duplicates"] == 0  # every target checked: the duplicates are known
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["outcome"] == "complete" and report["total"]["left"] == 0
+    # what the killed transfer delivered came back with ids pc1 holds: acked, not delivered again
+    assert report["duplicates"] == report["unverified_duplicates"] == 0, report["verification"]
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     assert report["total"]["before"] == 10 * dr["per_queue"] + 1  # from the journal: the counts before the first run
     assert_done(dr)

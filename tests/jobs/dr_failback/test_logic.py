@@ -5,6 +5,7 @@ from __future__ import annotations
 from ferry.brokers.rabbitmq import effective_policy
 from ferry.errors import redact
 from ferry.jobs.dr_failback.plan import public
+from ferry.jobs.dr_failback.run import _duplicates
 
 
 def _policy(name: str, pattern: str, priority: int = 0, apply_to: str = "queues", vhost: str = "/") -> dict:
@@ -44,3 +45,20 @@ def test_a_queue_is_named_by_its_uri_path() -> None:
     assert queue_path("/", "orders") == "%2F/orders"
     assert queue_path("fb /#%ü", "fed q/0#ü") == "fb %2F#%25ü/fed q%2F0#ü"
     assert [unquote(p) for p in queue_path("a/%2F", "c%d/e").split("/")] == ["a/%2F", "c%d/e"]
+
+
+def test_the_outcome_says_verified_and_possible_duplicates_apart() -> None:
+    def row(queue: str, possible: int, target: str | None = None) -> dict[str, object]:
+        return {"vhost": "v", "queue": queue, "target": target or queue, "possible_duplicates": possible}
+
+    def check(queue: str, duplicates: int | None, sources: int = 1) -> dict[str, object]:
+        return {"vhost": "v", "queue": queue, "duplicates": duplicates, "verdict": "x", "sources": ["s"] * sources}
+
+    rows = [row("a", 16), row("b", 3), row("c", 0), row("d", 5)]
+    said = _duplicates(rows, [check("a", 0), check("b", 2), check("c", 0), check("d", None)])
+    assert said == ", with 2 duplicates on 1 queue and up to 5 duplicates on 1 queue"
+    assert [r["duplicates"] for r in rows] == [0, 2, 0, None]  # a's 16 possible were checked: none
+    assert _duplicates([row("a", 4)], []) == ", with up to 4 duplicates on 1 queue"  # --no-verify
+    assert _duplicates([row("a", 4)], [check("a", 0)]) == ""
+    shared = [row("a", 1, "t"), row("b", 0, "t")]  # --target-queue: known only for the target as a whole
+    assert _duplicates(shared, [check("t", 1, sources=2)]) == ", with up to 1 duplicates on 1 queue"

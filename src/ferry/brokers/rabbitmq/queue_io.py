@@ -27,7 +27,7 @@ import json
 import os
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -369,6 +369,10 @@ class MoveTask:
     idle: float = 1.0
     broker: int = 0  # which broker of the source cluster to consume from
     rate: float | None = None  # messages per second for this task
+    # message ids the destination already holds from this transfer (a killed run's, confirmed
+    # there but never acked here): a message with one is acked, not published again
+    skip_ids: tuple[str, ...] = ()
+    all_ids: bool = False  # skip_ids are all there are: a redelivered message with another id is no duplicate
 
 
 @dataclass
@@ -380,6 +384,7 @@ class MoveResult:
     bytes: int = 0
     redelivered: int = 0
     duplicates: int = 0  # moved, but already held by the destination stream: not stored twice
+    skipped: int = 0  # with one of the task's skip_ids: acked, not published again
     left: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -455,6 +460,7 @@ async def move_queue(task: MoveTask) -> MoveResult:
             ch.on_cancel = lambda: inbox.put_nowait(None)
             consumer = await ch.consume(task.queue, inbox.put_nowait)
             pacer = Pacer(task.rate)
+            skip = Counter(task.skip_ids)
             while result.moved < limit:
                 if sink.error:
                     raise FerryError(f"moving {source}: {sink.error}")
@@ -471,9 +477,17 @@ async def move_queue(task: MoveTask) -> MoveResult:
                     d = inbox.get_nowait()
                 if d is None:
                     break  # the broker cancelled the consumer (queue deleted)
-                await pacer.wait()
                 unacked.append(d.tag)
-                result.redelivered += d.redelivered
+                if skip and skip[d.message_id] > 0:  # already at the destination (flagged redelivered or
+                    # not: a node that crashed before it stored the acks sends them again as new)
+                    skip[d.message_id] -= 1
+                    sink.confirmed.add(d.tag)
+                    ack_confirmed()
+                    result.moved += 1
+                    result.skipped += 1
+                    continue
+                await pacer.wait()
+                result.redelivered += d.redelivered and not (task.all_ids and d.message_id)
                 result.bytes += len(d.body)
                 await sink.put(d, d.tag, source, result.moved)
                 result.moved += 1
@@ -483,7 +497,7 @@ async def move_queue(task: MoveTask) -> MoveResult:
             if sink.error:
                 raise FerryError(f"moving {source}: {sink.error}")
         result.left = await ch.declare_passive(task.queue)
-        result.duplicates = sink.duplicates
+        result.duplicates = sink.duplicates + result.skipped
     finally:
         await _close_quietly(sink)
         await conn.close()

@@ -263,6 +263,8 @@ def _run_mover(topology: Topology, plan: CopyPlan, spark: Any, report: CopyRepor
             window=2000 if dst.kind != "parquet" else 20000,
             broker=i,
             rate=rate,
+            skip_ids=tuple(x.get("skip_ids", ())),
+            all_ids=x.get("all_ids", False),
         )
         for i, x in enumerate(work)
     ]

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
+from ferry.brokers.rabbitmq.queue_io import snapshot_queue
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import OperationFailed, redact
+from ferry.headers import TRANSFER_HDR
 from ferry.jobs.dr_failback.journal import write_journal
 from ferry.jobs.dr_failback.plan import (
     EMPTY_WAIT,
@@ -25,8 +28,9 @@ from ferry.jobs.dr_failback.plan import (
     FailbackRequest,
     queue_label,
 )
+from ferry.jobs.dr_failback.verify import SAMPLE
 from ferry.jobs.shared.events import Emit
-from ferry.topology import Topology
+from ferry.topology import RabbitCluster, Topology
 
 
 def started(make: Callable[[], Any]) -> Callable[[], Any]:
@@ -50,8 +54,12 @@ def spark_move(
     ready: dict[str, int],
     req: FailbackRequest,
     spark: Callable[[], Any],
+    there: dict[str, tuple[list[str], bool]],
 ) -> None:
-    """The data plane's queue mover: one Spark task per queue, source acks after the target confirmed."""
+    """The data plane's queue mover: one Spark task per queue, source acks after the target
+    confirmed. `there` ("vhost/queue" -> the message ids its target holds from this fail-back,
+    and whether the target was read whole) is what a killed run delivered: acked when it comes
+    back, not delivered again."""
     session = spark()  # first: the thread making it imports pyspark, which two threads at once leave half-made
     from ferry.jobs.copy.plan import CopyOptions, CopyPlan
     from ferry.jobs.copy.run import run_copy
@@ -69,17 +77,53 @@ def spark_move(
                 "ready": ready[queue_label(x)],
                 "target": x["target"],
                 "target_vhost": x["vhost"],
+                "skip_ids": there.get(queue_label(x), ([], False))[0],
+                "all_ids": there.get(queue_label(x), ([], False))[1],
             }
             for x in todo
         ],
         transfer_id=journal["id"],
     )
     report = run_copy(topo, plan, session)
-    duplicates = journal.setdefault("duplicates", {})
+    duplicates, skipped = journal.setdefault("duplicates", {}), journal.setdefault("already_there", {})
     for row in report.queues:  # came redelivered: an earlier run may have stored them
+        label = queue_path(row["vhost"], row["queue"])
         if row.get("redelivered"):
-            label = queue_path(row["vhost"], row["queue"])
             duplicates[label] = duplicates.get(label, 0) + row["redelivered"]
+        if row.get("skipped"):
+            skipped[label] = skipped.get(label, 0) + row["skipped"]
+
+
+async def delivered_ids(
+    cluster: RabbitCluster, name: str, journal: dict[str, Any], todo: list[dict[str, Any]]
+) -> dict[str, tuple[list[str], bool]]:
+    """Per queue of `todo`, the message ids its target holds with this fail-back's mark (what a
+    killed spark run delivered, confirmed but never acked at the source), and whether the target
+    was read whole. Read without consuming, up to SAMPLE messages per target: beyond, what comes
+    back may be delivered again (counted)."""
+    found: dict[str, tuple[list[str], bool]] = {}
+    counts = QueueCounts(cluster, name)
+    try:
+        consumers = {queue_label(x): (await counts.state(x["vhost"], x["target"]))[1] for x in todo}
+    finally:
+        await counts.close()
+    for x in todo:
+        ids: list[str] = []
+        whole = not consumers[queue_label(x)]  # what applications took is not read
+        reader = snapshot_queue(cluster, name, x["vhost"], x["target"], batch_size=5_000)
+        async with contextlib.aclosing(reader):
+            read = 0
+            async for batch in reader:
+                columns = batch.column("msg_id").to_pylist(), batch.column("headers").to_pylist()
+                for msg_id, headers in zip(*columns, strict=True):
+                    if msg_id and headers and dict(headers).get(TRANSFER_HDR) == journal["id"]:
+                        ids.append(msg_id)
+                read += batch.num_rows
+                if read >= SAMPLE:
+                    whole = False
+                    break
+        found[queue_label(x)] = (ids, whole)
+    return found
 
 
 def _shovel_name(journal: dict[str, Any], x: dict[str, Any]) -> str:

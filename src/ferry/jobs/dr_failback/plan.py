@@ -23,7 +23,9 @@ JOURNAL = "ferry-failback"  # global parameter on the source broker
 FailbackPhase = Literal["disabling", "transferring", "restoring"]
 FAILBACK = Machine[FailbackPhase](
     "failback",
-    {None: {"disabling"}, "disabling": {"transferring"}, "transferring": {"restoring"}, "restoring": set()},
+    # restoring -> disabling: messages came back after the transfer (a source node that crashed
+    # before it stored the acks), and a consumer would make restored links pull
+    {None: {"disabling"}, "disabling": {"transferring"}, "transferring": {"restoring"}, "restoring": {"disabling"}},
 )
 LOCK = "ferry-failback-lock"  # exclusive queue held while ferry works
 SHOVEL_PREFIX = "ferry-failback-"
@@ -37,8 +39,8 @@ STUCK_WAIT = 15.0  # seconds a shovel may move nothing (its queue not empty) bef
 # what each engine promises, in the plan (the default is spark: 0.48x and 0.06x the gist's time in
 # bench/failback.py's two shapes, where the shovels take 0.79x and 0.12x)
 GUARANTEES = {
-    "spark": "each message once; a task killed mid-batch may deliver its unacknowledged messages again "
-    "(they come back redelivered and are counted as possible duplicates)",
+    "spark": "each message once; what a killed run delivered comes back to the source unacknowledged, and a "
+    "rerun delivers again only those without a message id the target holds (counted as possible duplicates)",
     "shovel": "each message once; a shovel that ends other than by itself (deleted, restarted, a node lost) "
     f"may deliver up to {PREFETCH} messages again (counted as possible duplicates)",
 }

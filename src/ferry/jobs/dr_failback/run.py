@@ -13,7 +13,7 @@ from typing import Any
 from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import Conflict, FerryError, NotFound, OperationFailed, UsageError
-from ferry.jobs.dr_failback.engines import delete_shovels, run_shovels, spark_move, started
+from ferry.jobs.dr_failback.engines import delete_shovels, delivered_ids, run_shovels, spark_move, started
 from ferry.jobs.dr_failback.journal import read_journal, record, write_journal
 from ferry.jobs.dr_failback.plan import (
     FAILBACK,
@@ -90,6 +90,10 @@ async def failback(
                 )
             if req.abort:
                 return await _finish(topo, sm, src_c, dst_c, journal, req, emit, aborted=True)
+            if journal["phase"] == "restoring" and await _came_back(src_c, req.source, journal):
+                journal["phase"] = FAILBACK.step(journal["phase"], "disabling")  # and move them again
+                await write_journal(sm, journal)
+                emit("transfer-again", id=journal["id"])
             if req.engine == "spark" and journal["phase"] in ("disabling", "transferring"):
                 spark = started(
                     spark or factory(app_name=f"ferry failback {req.source} to {req.target}", data_sources=False)
@@ -195,10 +199,17 @@ async def _transfer(
             await run_shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
         else:
             await delete_shovels(sm, journal)  # left by an interrupted shovel run
+            there: dict[str, tuple[list[str], bool]] = {}
+            if todo and journal.get("spark_ran"):  # what a killed run delivered comes back: not again
+                there = await delivered_ids(topo.rabbitmq(req.target), req.target, journal, todo)
+                emit("already-there", messages=sum(len(ids) for ids, _ in there.values()))
+            if todo and not journal.get("spark_ran"):
+                journal["spark_ran"] = True
+                await write_journal(sm, journal)
             watch = asyncio.create_task(_watch(src_c, req.source, journal, progress))
             try:
                 if todo:
-                    await asyncio.to_thread(spark_move, topo, journal, todo, ready, req, spark)
+                    await asyncio.to_thread(spark_move, topo, journal, todo, ready, req, spark, there)
             finally:
                 watch.cancel()
         progress(sum((await _left(counts, journal["queues"])).values()))
@@ -218,6 +229,15 @@ def _progress(emit: Emit, total: int) -> Callable[..., None]:
 
     progress(total)
     return progress
+
+
+async def _came_back(cluster: RabbitCluster, name: str, journal: dict[str, Any]) -> bool:
+    """Whether a queue the transfer had drained holds messages again."""
+    counts = QueueCounts(cluster, name)
+    try:
+        return any((await _left(counts, journal["queues"])).values())
+    finally:
+        await counts.close()
 
 
 async def _left(counts: QueueCounts, queues: list[dict[str, Any]]) -> dict[str, int]:
@@ -252,7 +272,7 @@ async def _finish(
     """Delete ferry's shovels, restore the upstreams and compare, delete the journal, check the
     targets against what moved, report."""
     shovels_deleted = await delete_shovels(sm, journal)
-    duplicates = journal.get("duplicates", {})
+    duplicates, there = journal.get("duplicates", {}), journal.get("already_there", {})
     src_counts, dst_counts = QueueCounts(src_c, req.source), QueueCounts(dst_c, req.target)
     try:
         rows = []
@@ -272,6 +292,8 @@ async def _finish(
                     "target_before": x["target_before"],
                     "target_after": await dst_counts.ready(x["vhost"], x["target"]),
                     "possible_duplicates": duplicates.get(queue_label(x), 0),
+                    # came back from a killed run, already at the target: acked, not delivered again
+                    "already_there": there.get(queue_label(x), 0),
                 }
             )
     finally:
@@ -311,7 +333,10 @@ async def _finish(
         "engine": req.engine,
         "started": journal["started"],
         "queues": rows,
-        "total": {k: sum(r[k] for r in rows) for k in ("before", "moved", "left", "arrived", "possible_duplicates")},
+        "total": {
+            k: sum(r[k] for r in rows)
+            for k in ("before", "moved", "left", "arrived", "already_there", "possible_duplicates")
+        },
         "upstreams_restored": restored,
         "upstream_queues": upstream_queues,
         "upstream_pulled": sum(
@@ -340,8 +365,12 @@ def _duplicates(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str
     said = []
     known = [r for r in rows if r["duplicates"]]
     if known:
-        said.append(f"{sum(r['duplicates'] for r in known):,} duplicates on {len(known)} queues")
+        said.append(f"{sum(r['duplicates'] for r in known):,} duplicates on {_queues(len(known))}")
     maybe = [r for r in rows if r["duplicates"] is None and r["possible_duplicates"]]
     if maybe:
-        said.append(f"up to {sum(r['possible_duplicates'] for r in maybe):,} duplicates on {len(maybe)} queues")
+        said.append(f"up to {sum(r['possible_duplicates'] for r in maybe):,} duplicates on {_queues(len(maybe))}")
     return ", with " + " and ".join(said) if said else ""
+
+
+def _queues(n: int) -> str:
+    return f"{n} queue" if n == 1 else f"{n} queues"
