@@ -69,26 +69,35 @@ def test_every_orphan_arrives_once_run_after_run(dr: dict[str, Any], engine: str
     assert report["outcome"] == "complete" and report["counted"]["duplicated"] == 0, report["verification"]
 
 
-def killed_at(dr: dict[str, Any], event: str, nth: int, *args: str) -> str:
-    """Start the fail-back and SIGKILL its process group (driver, JVM, workers) once it has emitted
-    `event` `nth` times; its stderr."""
+def started(dr: dict[str, Any], *args: str) -> subprocess.Popen[str]:
+    """The fail-back started with --json, in a process group of its own."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(dr["topology"])}
     argv = [*FERRY, *ARGS, *args, "--json"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
+
+
+def wait_event(proc: subprocess.Popen[str], event: str, nth: int) -> None:
+    """Until the fail-back has emitted `event` `nth` times (its stderr is read meanwhile)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or []] + [lines.put("")], daemon=True).start()
     said, seen, deadline = [], 0, time.monotonic() + 120
+    while seen < nth:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line, f"ferry ended ({proc.wait()}) before {event} #{nth}: {''.join(said)[-2000:]}"
+        said.append(line)
+        seen += line.startswith('{"event": ') and json.loads(line)["event"] == event
+
+
+def killed_at(dr: dict[str, Any], event: str, nth: int, *args: str) -> None:
+    """Start the fail-back and SIGKILL its process group (driver, JVM, workers) once it has emitted
+    `event` `nth` times."""
+    proc = started(dr, *args)
     try:
-        while seen < nth:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line, f"ferry ended ({proc.wait()}) before {event} #{nth}: {''.join(said)[-2000:]}"
-            said.append(line)
-            seen += line.startswith('{"event": ') and json.loads(line)["event"] == event
+        wait_event(proc, event, nth)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-    return "".join(said)
 
 
 SHOVEL_EVENTS = [("plan", 1), ("journal", 1), ("upstream-disabled", 1), ("upstream-disabled", 2), ("transfer", 1),
@@ -195,3 +204,23 @@ def test_a_shovel_cut_mid_transfer_is_counted(dr: dict[str, Any], how: str) -> N
     assert_done(dr)
     counted = counted_on_pc1(dr)
     assert counted["lost"] == counted["extra"] == 0 and report["duplicates"] == counted["duplicated"], counted
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("engine", ["spark", "shovel"])
+def test_the_source_killed_as_its_upstreams_come_back(dr: dict[str, Any], rabbit_dr: lab.LabState, engine: str) -> None:
+    """ltm SIGKILLed once the transfer is over and the first upstream is back: acks it had not
+    stored yet are lost with it, and their messages come back. The same command moves them again
+    (upstreams off again first), with the spark engine not to where they already are."""
+    proc = started(dr, "--engine", engine)
+    try:
+        wait_event(proc, "upstream-restored", 1)
+        _restart(rabbit_dr, "ltm", 2.0)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    report = finished(dr, "--engine", engine, earlier=json.loads(out) if proc.returncode in (0, 3) else None)
+    if engine == "spark":
+        assert report["counted"]["duplicated"] == 0, report.get("verification")
