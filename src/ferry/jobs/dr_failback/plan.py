@@ -42,7 +42,8 @@ GUARANTEES = {
     "spark": "each message once; what a killed run delivered comes back to the source unacknowledged, and a "
     "rerun delivers again only those without a message id the target holds (counted as possible duplicates)",
     "shovel": "each message once; a shovel that ends other than by itself (deleted, restarted, a node lost) "
-    f"may deliver up to {PREFETCH} messages again (counted as possible duplicates)",
+    f"may deliver up to {PREFETCH} messages again (counted as possible duplicates), and a source node that "
+    "crashes sends again what it had not stored as acknowledged (found by the check after the transfer)",
 }
 
 
