@@ -22,7 +22,7 @@ import pytest
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.headers import TRANSFER_HDR
-from ferry.jobs.dr_failback.plan import PREFETCH
+from ferry.jobs.dr_failback.plan import GUARANTEES, PREFETCH
 from ferry.jobs.dr_failback.verify import verify
 from ferry.lab import prometheus as lab_prometheus
 from ferry.lab import rabbitmq as lab_rabbit
@@ -64,6 +64,7 @@ def test_failback_moves_every_orphaned_message_and_restores_federation(
 
     dry = ferry("failback", "--from", "ltm", "--to", "pc1", "--dry-run", "--json", topology=topology, check=True)
     plan = json.loads(dry.stdout)["plan"]
+    assert (plan["engine"], plan["guarantee"]) == ("spark", GUARANTEES["spark"])  # the default, and what it promises
     mine = [x for x in plan["queues"] if x["vhost"] in VHOSTS]
     assert len(mine) == 10 and all(x["before"] == expected_in(dr, x["vhost"], x["queue"]) for x in mine)
     assert {(u["vhost"], u["name"]) for u in plan["upstreams"]} >= {(v, "art") for v in VHOSTS}
