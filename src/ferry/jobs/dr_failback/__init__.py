@@ -16,10 +16,14 @@ is the bash gist's (../shared/seeds/003), made safe and exact:
 4. **transfer** — ``shovel`` (one dynamic shovel per queue: ``ack-mode
    on-confirm``, ``src-delete-after queue-length``, ``dest-queue``; at most
    ``max_active`` at once) or ``spark`` (the data plane's queue mover, which
-   marks each message with ``x-ferry-transfer``). A queue is done the moment it
-   is drained: counts are polled every 0.2 s by passive declares;
+   marks each message with ``x-ferry-transfer``; a rerun acks, without
+   delivering it again, what a killed run delivered, by message id). A queue is
+   done the moment it is drained: counts are polled every 0.2 s by passive declares;
 5. **restore** — put each upstream back exactly as saved and compare, delete
-   every shovel ferry created, then the journal.
+   every shovel ferry created, then the journal (messages that came back to a
+   drained queue send a rerun back to step 3);
+6. **verify** — each target queue counted against what it held plus what moved;
+   where it holds more, the ids it holds twice, read without consuming.
 
 One failback runs per source broker at a time: ferry holds an exclusive queue,
 ``ferry-failback-lock``, while it works, and the broker drops it if ferry dies.
