@@ -1,5 +1,5 @@
-"""The fail-back's fault matrix on the rabbit-dr lab (`make test-faults`; the cells not marked
-``faults`` also run in `make test`): the gist's setting failed back again and again with each
+"""The fail-back's fault matrix on the rabbit-dr lab (`make test-faults`; in `make test`, the
+kills of test_dr_failback.py stand for it): the gist's setting failed back again and again with each
 engine, ferry SIGKILLed at every event of a fail-back and rerun, a shovel's connection cut, pc1
 and ltm killed and restarted mid-transfer and rerun. After each, every federated queue of pc1 is
 drained and counted by message id here: none lost, and the duplicates ferry reports are the ones
@@ -24,15 +24,9 @@ from ferry.brokers.rabbitmq import Management, q
 from tests.helpers import FERRY, ferry, wait_for
 from tests.jobs.dr_failback.setting import assert_done, counted_on_pc1, depths
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark]
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
 
 ARGS = ("failback", "--from", "ltm", "--to", "pc1")
-
-
-def cells(values: list[Any], keep: Any = None) -> list[Any]:
-    """`values` as parameters, all but `keep` marked ``faults`` (run by `make test-faults` only)."""
-    return [pytest.param(*v if isinstance(v, tuple) else (v,), marks=() if v == keep else pytest.mark.faults)
-            for v in values]  # fmt: skip
 
 
 def finished(dr: dict[str, Any], *args: str, earlier: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,8 +55,8 @@ def finished(dr: dict[str, Any], *args: str, earlier: dict[str, Any] | None = No
 @pytest.mark.connect
 @pytest.mark.parametrize(
     ("engine", "max_active", "run"),
-    cells([("spark", 50, i) for i in range(10)] + [("shovel", 50, i) for i in range(10)]
-          + [("shovel", 3, i) for i in range(5)]),
+    [("spark", 50, i) for i in range(10)] + [("shovel", 50, i) for i in range(10)]
+    + [("shovel", 3, i) for i in range(5)],
 )  # fmt: skip
 def test_every_orphan_arrives_once_run_after_run(dr: dict[str, Any], engine: str, max_active: int, run: int) -> None:
     report = finished(dr, "--engine", engine, "--max-active", str(max_active))
@@ -109,8 +103,7 @@ SPARK_EVENTS = [("plan", 1), ("journal", 1), ("upstream-disabled", 1), ("upstrea
 
 @pytest.mark.parametrize(
     ("engine", "event", "nth"),
-    cells([("shovel", *e) for e in SHOVEL_EVENTS] + [("spark", *e) for e in SPARK_EVENTS],
-          keep=("spark", "progress", 2)),
+    [("shovel", *e) for e in SHOVEL_EVENTS] + [("spark", *e) for e in SPARK_EVENTS],
 )  # fmt: skip
 def test_killed_at_every_event_a_plain_rerun_finishes(dr: dict[str, Any], engine: str, event: str, nth: int) -> None:
     """SIGKILL at each event of a fail-back, then the same command: it finishes, none lost, and the
@@ -133,8 +126,7 @@ def _restart(rabbit_dr: lab.LabState, name: str, down: float) -> None:
 
 
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # long enough to kill a node midway
-@pytest.mark.parametrize(("engine", "node"), cells([("spark", "ltm"), ("spark", "pc1"), ("shovel", "ltm"),
-                                                     ("shovel", "pc1")]))  # fmt: skip
+@pytest.mark.parametrize(("engine", "node"), [("spark", "ltm"), ("spark", "pc1"), ("shovel", "ltm"), ("shovel", "pc1")])
 def test_a_node_killed_mid_transfer_then_a_plain_rerun(
     dr: dict[str, Any], rabbit_dr: lab.LabState, engine: str, node: str
 ) -> None:
@@ -160,7 +152,7 @@ def test_a_node_killed_mid_transfer_then_a_plain_rerun(
 
 
 @pytest.mark.parametrize("dr", [10_000], indirect=True)
-@pytest.mark.parametrize("how", cells(["connection", "parameter"]))
+@pytest.mark.parametrize("how", ["connection", "parameter"])
 def test_a_shovel_cut_mid_transfer_is_counted(dr: dict[str, Any], how: str) -> None:
     """A shovel's connection closed by the broker (the shovel restarts), or its parameter removed
     while its queue still holds messages, as a shovel hit by rabbitmq-server #14636 removes itself
@@ -206,7 +198,6 @@ def test_a_shovel_cut_mid_transfer_is_counted(dr: dict[str, Any], how: str) -> N
     assert counted["lost"] == counted["extra"] == 0 and report["duplicates"] == counted["duplicated"], counted
 
 
-@pytest.mark.faults
 @pytest.mark.parametrize("engine", ["spark", "shovel"])
 def test_the_source_killed_as_its_upstreams_come_back(dr: dict[str, Any], rabbit_dr: lab.LabState, engine: str) -> None:
     """ltm SIGKILLed once the transfer is over and the first upstream is back: acks it had not

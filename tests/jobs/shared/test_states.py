@@ -43,7 +43,8 @@ def test_a_job_goes_through_its_states_in_order_and_no_other_way() -> None:
     with pytest.raises(IllegalTransition, match="move: a new operation cannot go on to moving"):
         MOVE.step(None, "moving")
     with pytest.raises(IllegalTransition):
-        FAILBACK.step("restoring", "disabling")
+        FAILBACK.step("restoring", "transferring")  # not with upstreams back: a consumer makes links pull
+    assert FAILBACK.step("restoring", "disabling") == "disabling", "messages that came back move again"
     assert REBALANCE.step(None, "evicting_sessions") == "evicting_sessions"  # no client to move
     with pytest.raises(IllegalTransition):
         RELAY.step("relaying", "defined")
