@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ferry.brokers.rabbitmq import Management, amqp_uri, q, queue_path
-from ferry.brokers.rabbitmq.queue_io import snapshot_queue
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import OperationFailed, redact
-from ferry.headers import TRANSFER_HDR
 from ferry.jobs.dr_failback.journal import write_journal
 from ferry.jobs.dr_failback.plan import (
     EMPTY_WAIT,
@@ -28,7 +25,7 @@ from ferry.jobs.dr_failback.plan import (
     FailbackRequest,
     queue_label,
 )
-from ferry.jobs.dr_failback.verify import SAMPLE
+from ferry.jobs.dr_failback.verify import read_target
 from ferry.jobs.shared.events import Emit
 from ferry.topology import RabbitCluster, Topology
 
@@ -54,12 +51,11 @@ def spark_move(
     ready: dict[str, int],
     req: FailbackRequest,
     spark: Callable[[], Any],
-    there: dict[str, tuple[list[str], bool]],
+    there: dict[str, dict[str, Any]],
 ) -> None:
     """The data plane's queue mover: one Spark task per queue, source acks after the target
-    confirmed. `there` ("vhost/queue" -> the message ids its target holds from this fail-back,
-    and whether the target was read whole) is what a killed run delivered: acked when it comes
-    back, not delivered again."""
+    confirmed. `there` ("vhost/queue" -> `delivered_ids`'s skip_ids and all_ids) is what a killed
+    run delivered: acked when it comes back, not delivered again."""
     session = spark()  # first: the thread making it imports pyspark, which two threads at once leave half-made
     from ferry.jobs.copy.plan import CopyOptions, CopyPlan
     from ferry.jobs.copy.run import run_copy
@@ -77,8 +73,7 @@ def spark_move(
                 "ready": ready[queue_label(x)],
                 "target": x["target"],
                 "target_vhost": x["vhost"],
-                "skip_ids": there.get(queue_label(x), ([], False))[0],
-                "all_ids": there.get(queue_label(x), ([], False))[1],
+                **there.get(queue_label(x), {}),
             }
             for x in todo
         ],
@@ -96,33 +91,23 @@ def spark_move(
 
 async def delivered_ids(
     cluster: RabbitCluster, name: str, journal: dict[str, Any], todo: list[dict[str, Any]]
-) -> dict[str, tuple[list[str], bool]]:
-    """Per queue of `todo`, the message ids its target holds with this fail-back's mark (what a
-    killed spark run delivered, confirmed but never acked at the source), and whether the target
-    was read whole. Read without consuming, up to SAMPLE messages per target: beyond, what comes
-    back may be delivered again (counted)."""
-    found: dict[str, tuple[list[str], bool]] = {}
+) -> dict[str, dict[str, Any]]:
+    """Per queue of `todo`, the mover's `skip_ids`: the message ids its target holds with this
+    fail-back's mark (what a killed spark run delivered, confirmed but never acked at the source),
+    and `all_ids`: whether the target was read whole (no consumer, under SAMPLE messages; beyond,
+    what comes back may be delivered again, counted)."""
     counts = QueueCounts(cluster, name)
     try:
         consumers = {queue_label(x): (await counts.state(x["vhost"], x["target"]))[1] for x in todo}
     finally:
         await counts.close()
+    found: dict[str, dict[str, Any]] = {}
     for x in todo:
-        ids: list[str] = []
-        whole = not consumers[queue_label(x)]  # what applications took is not read
-        reader = snapshot_queue(cluster, name, x["vhost"], x["target"], batch_size=5_000)
-        async with contextlib.aclosing(reader):
-            read = 0
-            async for batch in reader:
-                columns = batch.column("msg_id").to_pylist(), batch.column("headers").to_pylist()
-                for msg_id, headers in zip(*columns, strict=True):
-                    if msg_id and headers and dict(headers).get(TRANSFER_HDR) == journal["id"]:
-                        ids.append(msg_id)
-                read += batch.num_rows
-                if read >= SAMPLE:
-                    whole = False
-                    break
-        found[queue_label(x)] = (ids, whole)
+        rows, ended = await read_target(cluster, name, x["vhost"], x["target"], journal["id"])
+        found[queue_label(x)] = {
+            "skip_ids": [msg_id for msg_id, marked in rows if msg_id and marked],
+            "all_ids": ended and not consumers[queue_label(x)],  # what applications took is not read
+        }
     return found
 
 

@@ -199,11 +199,11 @@ async def _transfer(
             await run_shovels(topo, sm, counts, journal, todo, ready, req, emit, progress)
         else:
             await delete_shovels(sm, journal)  # left by an interrupted shovel run
-            there: dict[str, tuple[list[str], bool]] = {}
+            there: dict[str, dict[str, Any]] = {}
             if todo and journal.get("spark_ran"):  # what a killed run delivered comes back: not again
                 there = await delivered_ids(topo.rabbitmq(req.target), req.target, journal, todo)
-                emit("already-there", messages=sum(len(ids) for ids, _ in there.values()))
-            if todo and not journal.get("spark_ran"):
+                emit("already-there", messages=sum(len(x["skip_ids"]) for x in there.values()))
+            elif todo:
                 journal["spark_ran"] = True
                 await write_journal(sm, journal)
             watch = asyncio.create_task(_watch(src_c, req.source, journal, progress))

@@ -61,21 +61,30 @@ async def verify(
     return checks
 
 
-async def _sample(cluster: RabbitCluster, name: str, check: dict[str, Any], transfer_id: str) -> None:
-    """Read up to SAMPLE messages of the target queue, none consumed (they are requeued, flagged
-    redelivered), and count the ids held more than once."""
-    ids: Counter[str] = Counter()
-    marked = 0
-    reader = snapshot_queue(cluster, name, check["vhost"], check["queue"], batch_size=5_000)
+async def read_target(
+    cluster: RabbitCluster, name: str, vhost: str, queue: str, transfer_id: str
+) -> tuple[list[tuple[str, bool]], bool]:
+    """Up to SAMPLE messages of a target queue, none consumed (they are requeued, flagged
+    redelivered): each one's message id ("" without one) and whether it carries `transfer_id`'s
+    mark; and whether the read ended before SAMPLE."""
+    rows: list[tuple[str, bool]] = []
+    reader = snapshot_queue(cluster, name, vhost, queue, batch_size=5_000)
     async with contextlib.aclosing(reader):
         async for batch in reader:
-            ids.update(x for x in batch.column("msg_id").to_pylist() if x)
-            marked += sum(
-                bool(h) and dict(h).get(TRANSFER_HDR) == transfer_id for h in batch.column("headers").to_pylist()
-            )
-            check["sampled"] += batch.num_rows
-            if check["sampled"] >= SAMPLE:
-                break
+            columns = batch.column("msg_id").to_pylist(), batch.column("headers").to_pylist()
+            for msg_id, headers in zip(*columns, strict=True):
+                rows.append((msg_id or "", bool(headers) and dict(headers).get(TRANSFER_HDR) == transfer_id))
+            if len(rows) >= SAMPLE:
+                return rows, False
+    return rows, True
+
+
+async def _sample(cluster: RabbitCluster, name: str, check: dict[str, Any], transfer_id: str) -> None:
+    """Read up to SAMPLE messages of the target queue and count the ids held more than once."""
+    rows, _ = await read_target(cluster, name, check["vhost"], check["queue"], transfer_id)
+    ids = Counter(i for i, _ in rows if i)
+    marked = sum(m for _, m in rows)
+    check["sampled"] = len(rows)
     whole = check["sampled"] >= check["held"]
     twice = sorted(i for i, n in ids.items() if n > 1)
     check["marked"] = marked or None
