@@ -35,7 +35,7 @@ PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 test: setup
 	$(VENV)/bin/pytest -q $(PARALLEL) -m "not faults"
 
-# the fault matrices: every cell (kills at every step, repeated runs), about half an hour
+# the fault matrices: every cell (kills at every step, repeated runs), about 20 minutes
 test-faults: setup
 	$(VENV)/bin/pytest -q $(PARALLEL) -m faults
 
