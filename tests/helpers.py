@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -28,6 +29,20 @@ from ferry.topology import Topology, load_topology
 FERRY = [sys.executable, "-m", "ferry"]
 
 
+def cmdlines_while(proc: subprocess.Popen, timeout: float) -> set[str]:
+    """Every process's command line (Spark's JVM and Python workers too), read every 0.2 s until
+    `proc` exits."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "the job did not finish"
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                seen.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        time.sleep(0.2)
+    return seen
+
+
 def ferry(
     *args: str,
     topology: Path,
@@ -35,11 +50,27 @@ def ferry(
     check: bool = False,
     cwd: Path | None = None,
     record: list[str] | None = None,
+    watch: set[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess (its own Spark driver); its stdout and stderr are appended
-    to `record` (a module's outputs, searched for secrets at its end)."""
+    to `record` (a module's outputs, searched for secrets at its end), and every process's command
+    line while it runs to `watch`."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    result = subprocess.run([*FERRY, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    argv = [*FERRY, *args]
+    if watch is None:
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    else:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True, cwd=cwd)
+            try:
+                watch |= cmdlines_while(proc, timeout)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            result = subprocess.CompletedProcess(argv, proc.returncode, out.read(), err.read())
     if record is not None:
         record.extend((result.stdout, result.stderr))
     if check and result.returncode != 0:
@@ -88,6 +119,45 @@ def ferry_killed_when(
             os.killpg(proc.pid, sig)
         _, stderr = proc.communicate(timeout=60)
     return proc.returncode, stderr.decode()
+
+
+def started_json(*args: str, topology: Path) -> subprocess.Popen[str]:
+    """`ferry ARGS --json` started in a process group of its own (stdout and stderr piped)."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    argv = [*FERRY, *args, "--json"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def wait_event(proc: subprocess.Popen[str], event: str, nth: int = 1, timeout: float = 120) -> list[dict[str, Any]]:
+    """Until `proc` (started by :func:`started_json`) has emitted `event` `nth` times (its stderr is
+    read meanwhile); the events it emitted so far."""
+    import queue
+    import threading
+
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or []] + [lines.put("")], daemon=True).start()
+    said: list[str] = []
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while sum(e["event"] == event for e in events) < nth:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line, f"ferry ended ({proc.wait()}) before {event} #{nth}: {''.join(said)[-2000:]}"
+        said.append(line)
+        if line.startswith('{"event": '):
+            events.append(json.loads(line))
+    return events
+
+
+def killed_at_event(event: str, nth: int, *args: str, topology: Path) -> list[dict[str, Any]]:
+    """`ferry ARGS --json`, its process group (driver, JVM, workers) SIGKILLed once it has emitted
+    `event` `nth` times; the events it emitted."""
+    proc = started_json(*args, topology=topology)
+    try:
+        return wait_event(proc, event, nth)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
 
 
 async def make_stream(

@@ -44,6 +44,7 @@ from tests.jobs.dr_failback.setting import (
     VHOSTS,
     assert_done,
     audit_pc1,
+    counted_on_pc1,
     delete_shovel,
     depths,
     expected_in,
@@ -134,9 +135,7 @@ async def _linger(topo: Topology, ltm: Any, vhost: str, upstream: dict[str, Any]
 
 
 @pytest.mark.parametrize("dr", [5_000], indirect=True)  # killed mid-transfer
-def test_failback_resumes_after_being_killed_twice(
-    dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path, spark: Any
-) -> None:
+def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     """Killed with the upstreams disabled, then mid-transfer: a plain rerun finishes. Between the
     two, links left running by an upstream's DELETE cut short are restarted away (issue 46, F1:
     every rerun used to wait for them and fail)."""
@@ -170,12 +169,12 @@ def test_failback_resumes_after_being_killed_twice(
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     assert report["total"]["before"] == 10 * dr["per_queue"] + 1  # from the journal: the counts before the first run
     assert_done(dr)
-    tier = audit_pc1(spark, dr, tmp_path, max_dup=10**6)
-    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
+    counted = counted_on_pc1(dr)  # by id, in the test itself
+    assert counted == {"lost": 0, "duplicated": report["duplicates"], "extra": 0}, (counted, report["verification"])
 
 
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # its shovels must outlive the kill by seconds
-def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path, spark: Any) -> None:
+def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", "shovel", "--max-active", "2")
 
@@ -207,8 +206,8 @@ def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, An
     assert 0 < row["possible_duplicates"] <= PREFETCH, row
     assert report["possible_duplicates"] == sum(r["possible_duplicates"] for r in report["queues"])
     assert_done(dr)
-    tier = audit_pc1(spark, dr, tmp_path, max_dup=PREFETCH)
-    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
+    counted = counted_on_pc1(dr)
+    assert counted == {"lost": 0, "duplicated": report["duplicates"], "extra": 0}, (counted, report["verification"])
 
 
 def _serve_shows_the_failback(topology: Path, topo: Any, tmp_path: Path, total: int) -> None:
@@ -293,7 +292,7 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
 
 
 def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
-    dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path, spark: Any
+    dr: dict[str, Any], rabbit_dr: lab.LabState
 ) -> None:
     """A shovel that moves nothing stops the failback after --stall-timeout with one line, the
     upstreams still disabled: first pc1 refuses the shovels' publishes (its user may not write to
@@ -339,8 +338,8 @@ def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
     report = json.loads(finished.stdout)
     assert finished.returncode == (3 if report["duplicates"] else 0), finished.stderr  # shovels restarted
     assert_done(dr)
-    tier = audit_pc1(spark, dr, tmp_path, max_dup=10**6)
-    assert tier["lost"] == 0 and tier["extra_copies"] == report["duplicates"], (tier, report["verification"])
+    counted = counted_on_pc1(dr)
+    assert counted == {"lost": 0, "duplicated": report["duplicates"], "extra": 0}, (counted, report["verification"])
 
 
 def test_failback_refuses_a_source_without_the_shovel_plugin(dr: dict[str, Any], rabbit_dr: lab.LabState) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import subprocess
-import threading
 import time
 from typing import Any
 
@@ -21,7 +19,7 @@ import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, q
-from tests.helpers import FERRY, ferry, wait_for
+from tests.helpers import FERRY, ferry, killed_at_event, started_json, wait_event, wait_for
 from tests.jobs.dr_failback.setting import assert_done, counted_on_pc1, depths
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
@@ -63,35 +61,8 @@ def test_every_orphan_arrives_once_run_after_run(dr: dict[str, Any], engine: str
     assert report["outcome"] == "complete" and report["counted"]["duplicated"] == 0, report["verification"]
 
 
-def started(dr: dict[str, Any], *args: str) -> subprocess.Popen[str]:
-    """The fail-back started with --json, in a process group of its own."""
-    env = {**os.environ, "FERRY_TOPOLOGY": str(dr["topology"])}
-    argv = [*FERRY, *ARGS, *args, "--json"]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-
-
-def wait_event(proc: subprocess.Popen[str], event: str, nth: int) -> None:
-    """Until the fail-back has emitted `event` `nth` times (its stderr is read meanwhile)."""
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or []] + [lines.put("")], daemon=True).start()
-    said, seen, deadline = [], 0, time.monotonic() + 120
-    while seen < nth:
-        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        assert line, f"ferry ended ({proc.wait()}) before {event} #{nth}: {''.join(said)[-2000:]}"
-        said.append(line)
-        seen += line.startswith('{"event": ') and json.loads(line)["event"] == event
-
-
 def killed_at(dr: dict[str, Any], event: str, nth: int, *args: str) -> None:
-    """Start the fail-back and SIGKILL its process group (driver, JVM, workers) once it has emitted
-    `event` `nth` times."""
-    proc = started(dr, *args)
-    try:
-        wait_event(proc, event, nth)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    killed_at_event(event, nth, *ARGS, *args, topology=dr["topology"])
 
 
 SHOVEL_EVENTS = [("plan", 1), ("journal", 1), ("upstream-disabled", 1), ("upstream-disabled", 2), ("transfer", 1),
@@ -203,7 +174,7 @@ def test_the_source_killed_as_its_upstreams_come_back(dr: dict[str, Any], rabbit
     """ltm SIGKILLed once the transfer is over and the first upstream is back: acks it had not
     stored yet are lost with it, and their messages come back. The same command moves them again
     (upstreams off again first), with the spark engine not to where they already are."""
-    proc = started(dr, "--engine", engine)
+    proc = started_json(*ARGS, "--engine", engine, topology=dr["topology"])
     try:
         wait_event(proc, "upstream-restored", 1)
         _restart(rabbit_dr, "ltm", 2.0)

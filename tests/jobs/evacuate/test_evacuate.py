@@ -601,7 +601,11 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
             await m.delete(f"/users/{user}")
 
 
-@pytest.mark.parametrize("kill_when", ["held", "redeclared", "stopped"])
+# the other two kills are cells of the fault matrix (make test-faults)
+@pytest.mark.parametrize(
+    "kill_when",
+    ["held", pytest.param("redeclared", marks=pytest.mark.faults), pytest.param("stopped", marks=pytest.mark.faults)],
+)
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
     rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str
 ) -> None:
