@@ -135,8 +135,16 @@ def secure_sites(lab_dir: Path) -> Iterator[lab.LabState]:
     yield from _profile("secure_sites", "sites", root, secure=True)
 
 
+@pytest.fixture(scope="module")
+def secure_rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
+    """rabbit-cluster over TLS only, behind HAProxy and `ferry serve`, in the secure lab root; per module."""
+    root = lab_dir / "secure"
+    root.mkdir(mode=0o755, exist_ok=True)
+    yield from _profile("secure_rabbit_cluster", "rabbit-cluster", root, haproxy=True, secure=True)
+
+
 LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
-LAB_FIXTURES |= {"secure_rabbit_dr", "secure_sites"}
+LAB_FIXTURES |= {"secure_rabbit_dr", "secure_sites", "secure_rabbit_cluster"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -265,13 +265,16 @@ class NatsCluster(_Model):
     """A NATS cluster. ``credentials`` are ferry's user in the default account (where streams
     named without an account live); ``accounts`` names more: ``{SALES: {creds_file: ...}}``, a
     user in each other account whose streams ferry may work on (``jetstream://east/S?account=SALES``,
-    ``--account SALES``)."""
+    ``--account SALES``). ``mqtt_credentials``: how ferry's MQTT probes log in when not as
+    ``credentials``' user and password; in operator mode MQTT clients cannot sign the server's
+    nonce and send a bearer user JWT as their password: ``{token_file: mqtt.jwt}``."""
 
     kind: Literal["nats"]
     brokers: list[NatsBroker]
     credentials: Credentials | None = None
     system_credentials: Credentials | None = None
     accounts: dict[str, Credentials] = Field(default_factory=dict)
+    mqtt_credentials: Credentials | None = None
     tls: Tls | None = None
 
     _v_brokers = field_validator("brokers")(_unique_brokers)
@@ -330,12 +333,15 @@ class OutboundTls(_Model):
     """Files on a RabbitMQ cluster's own nodes (paths on the broker hosts, never read by ferry)
     that its shovels and federation links use to dial an ``amqps://`` broker: ``ca_file`` verifies
     the broker dialled (``verify_peer``, against its URL's host), ``cert_file`` + ``key_file``
-    show the node's client certificate. Written into the URIs as RabbitMQ's ``cacertfile``,
-    ``certfile`` and ``keyfile`` query parameters."""
+    show the node's client certificate, ``server_name`` is the DNS name the dialled broker's
+    certificate carries when it is not the URL's host (sent as SNI and checked instead). Written
+    into the URIs as RabbitMQ's ``cacertfile``, ``certfile``, ``keyfile`` and
+    ``server_name_indication`` query parameters."""
 
     ca_file: str
     cert_file: str | None = None
     key_file: str | None = None
+    server_name: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> OutboundTls:
@@ -503,6 +509,7 @@ class Topology(_Model):
             creds: list[tuple[str, Credentials | Tls | None]] = [("credentials", cluster.credentials)]
             if isinstance(cluster, NatsCluster):
                 creds += [("system_credentials", cluster.system_credentials), ("tls", cluster.tls)]
+                creds += [("mqtt_credentials", cluster.mqtt_credentials)]
                 creds += [(f"accounts.{a}", c) for a, c in cluster.accounts.items()]
             else:
                 creds += [("tls", cluster.tls)]

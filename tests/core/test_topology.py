@@ -223,6 +223,10 @@ def test_a_shovel_uri_to_a_tls_broker_carries_the_dialling_nodes_files(monkeypat
         "amqps://main.example:5671/%2F?cacertfile=/etc/rabbitmq/ca.pem&certfile=/etc/rabbitmq/my%20cert.pem"
         "&keyfile=/k.pem&verify=verify_peer&auth_mechanism=external"
     )
+    sni = _rabbit("amqp://dr:5672", outbound_tls={"ca_file": "/ca.pem", "server_name": "main.internal"})
+    assert amqp_uri(_rabbit_sites(main=_rabbit("amqps://10.0.0.9:5671"), dr=sni), "main", "/", dialer="dr") == (
+        "amqps://ferry:p%2Fw@10.0.0.9:5671/%2F?cacertfile=/ca.pem&server_name_indication=main.internal&verify=verify_peer"
+    )
     ca_only = _rabbit("amqp://dr:5672", outbound_tls={"ca_file": "/ca.pem"})
     with pytest.raises(
         ConfigError, match=r"^dr: main takes certificate logins only .* give dr's outbound_tls a cert_file"

@@ -14,7 +14,7 @@ from ferry.brokers.base import BrokerKind, Probe, certificate_file_expiry, expir
 from ferry.brokers.nats import client as nats_client
 from ferry.brokers.rabbitmq import client as rabbitmq_client
 from ferry.errors import BrokerUnavailable, FerryError
-from ferry.topology import NatsCluster, Topology
+from ferry.topology import NatsCluster, Topology, broker_tls
 
 __all__ = ["KINDS", "BrokerKind", "Probe", "client_certificates", "kind", "probe_all", "transient", "translate"]
 
@@ -60,12 +60,11 @@ def client_certificates(topology: Topology) -> tuple[list[str], list[str]]:
     expire within a month (warnings)."""
     problems, warnings = [], []
     for _, name, cluster in topology.clusters():
-        tls = getattr(cluster, "tls", None)
-        if tls is None or tls.cert_file is None:
-            continue
-        days, date = certificate_file_expiry(tls.cert_file)
-        what = f"cluster {name}: the client certificate {tls.cert_file}"
-        if days < 0:
-            problems.append(f"{what} expired on {date}")
-        warnings += expiry_warnings(what, days, date) if days >= 0 else []
+        files = {tls.cert_file for b in cluster.brokers if (tls := broker_tls(cluster, b)) and tls.cert_file}
+        for cert in sorted(files):  # a broker's own tls block may name another certificate
+            days, date = certificate_file_expiry(cert)
+            what = f"cluster {name}: the client certificate {cert}"
+            if days < 0:
+                problems.append(f"{what} expired on {date}")
+            warnings += expiry_warnings(what, days, date) if days >= 0 else []
     return problems, warnings

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import secrets
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from ferry.errors import AuthError, BrokerUnavailable, FerryError, redact
+from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, redact
 
 
 @dataclass
@@ -56,6 +59,16 @@ class BrokerKind:
     def translate(cls, exc: BaseException) -> FerryError | None:
         """`exc`, one of this kind's library errors, as a ferry error (None: not this kind's)."""
         return None
+
+
+@contextlib.contextmanager
+def needed_by(where: str) -> Iterator[None]:
+    """A setting that cannot be used (a credential or TLS file missing or unreadable, a malformed
+    .creds) said with the broker that needed it: ``cluster 'east' (east-1): credentials: ...``."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise type(exc)(f"{where}: {exc.message}", hint=exc.hint, **exc.fields) from None
 
 
 async def timed_probe(cluster: str, broker: str, endpoint: str, url: str, check: Awaitable[str | Answer]) -> Probe:
@@ -128,15 +141,22 @@ def certificate_file_expiry(path: Path) -> tuple[int, str]:
     return int((not_after.timestamp() - time.time()) // 86400), not_after.strftime("%Y-%m-%d")
 
 
-async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: float = 3.0) -> str:
-    """An MQTT 3.1.1 CONNECT answered by CONNACK, with paho-mqtt in a thread."""
+async def mqtt_probe(
+    url: str, user: str | None, password: str | None, timeout: float = 3.0, tls: ssl.SSLContext | None = None
+) -> str:
+    """An MQTT 3.1.1 CONNECT answered by CONNACK, with paho-mqtt in a thread; over TLS for an
+    ``mqtts://`` URL (with `tls`, else the system's CAs)."""
     import paho.mqtt.client as mqtt
 
     parts = urlsplit(url)
     result: dict[str, object] = {}
 
     def run() -> None:
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ferry-probe", protocol=mqtt.MQTTv311)
+        # an id of its own: probes of one account's servers at once would take each other's session over
+        client_id = f"ferry-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311)
+        if parts.scheme == "mqtts":
+            client.tls_set_context(tls or ssl.create_default_context())
         if user:
             client.username_pw_set(user, password)
         client.on_connect = lambda c, u, f, rc, p=None: result.setdefault("rc", rc)
@@ -148,8 +168,9 @@ async def mqtt_probe(url: str, user: str | None, password: str | None, timeout: 
 
     try:
         await asyncio.to_thread(run)
-    except OSError as exc:
-        raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: {exc.strerror or exc}") from None
+    except OSError as exc:  # ssl.SSLError included
+        why = tls_error(exc) or exc.strerror or str(exc)
+        raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: {why}") from None
     rc = result.get("rc")
     if rc is None:
         raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: no CONNACK within {timeout:.0f}s")

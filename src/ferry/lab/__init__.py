@@ -228,8 +228,8 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
         frontends += fronts
         url = {"nats": "tls", "amqp": "amqps"}[scheme] if state.secure else scheme  # TLS passes through
         lb[name] = {scheme: f"{url}://127.0.0.1:{port}"}
-        if len(fronts) > 1:  # the cluster's brokers have MQTT (not on a secure lab)
-            lb[name]["mqtt"] = f"mqtt://127.0.0.1:{mqtt_port}"
+        if len(fronts) > 1:  # the cluster's brokers have MQTT
+            lb[name]["mqtt"] = f"{'mqtts' if state.secure else 'mqtt'}://127.0.0.1:{mqtt_port}"
     d = pdir / "haproxy"
     d.mkdir()
     cfg = d / "haproxy.cfg"
@@ -314,6 +314,7 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
                 if state.secure:
                     creds = [lab_secure.creds_file(state.path / "secrets", a) for a in lab_secure.APP_ACCOUNTS]
                     lab_nats.warm_accounts(servers, creds)
+                    lab_nats.warm_mqtt(servers, (state.path / "secrets" / "mqtt.jwt").read_text().strip())
                 else:
                     lab_nats.warm_mqtt(servers, (state.path / "secrets" / "app").read_text().strip())
             return

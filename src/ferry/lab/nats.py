@@ -138,9 +138,10 @@ def render_config(
                 for c in clusters
             ],
         }
-    if secure:  # operator mode, TLS everywhere; no MQTT yet
+    if secure:  # operator mode, TLS everywhere (MQTT clients log in with a bearer JWT: lab.secure)
         tls = secure.server_tls()
-        del conf["accounts"], conf["mqtt"], conf["http"]
+        del conf["accounts"], conf["http"]
+        conf["mqtt"] = {"listen": f"127.0.0.1:{server.mqtt}", "tls": tls}
         conf |= {
             "https": f"127.0.0.1:{server.monitor}",
             "tls": tls,
@@ -191,8 +192,14 @@ def topology_cluster(
             "system_credentials": {"creds_file": str(secure.creds[SYS_ACCOUNT])},
             # the other application accounts, for streams ferry works on there (?account=SALES)
             "accounts": {a: {"creds_file": str(p)} for a, p in secure.creds.items() if a not in ("APP", SYS_ACCOUNT)},
+            "mqtt_credentials": {"token_file": str(secure.mqtt_jwt)},  # a bearer user JWT
             "brokers": [
-                {"name": s.name, "url": f"tls://127.0.0.1:{s.client}", "monitor_url": s.monitor_url}
+                {
+                    "name": s.name,
+                    "url": f"tls://127.0.0.1:{s.client}",
+                    "monitor_url": s.monitor_url,
+                    "mqtt_url": f"mqtts://127.0.0.1:{s.mqtt}",
+                }
                 for s in servers
                 if s.cluster == cluster
             ],
@@ -279,8 +286,9 @@ def warm_accounts(servers: list[NatsServer], creds: list[Path], timeout: float =
                 time.sleep(0.25)
 
 
-def warm_mqtt(servers: list[NatsServer], app_pw: str, timeout: float = 60.0) -> None:
-    """One MQTT session per server, so the account's MQTT JetStream assets exist before `up` returns.
+def warm_mqtt(servers: list[NatsServer], password: str, timeout: float = 60.0) -> None:
+    """One MQTT session per server, so the account's MQTT JetStream assets exist before `up` returns
+    (`password`: the app user's, or on a secure lab the bearer JWT of its MQTT user).
 
     NATS creates them on an account's first MQTT connect, which can take longer
     than a client's CONNACK wait on a busy machine.
@@ -290,4 +298,6 @@ def warm_mqtt(servers: list[NatsServer], app_pw: str, timeout: float = 60.0) -> 
     from ferry.brokers.base import mqtt_probe
 
     for s in servers:
-        asyncio.run(mqtt_probe(f"mqtt://127.0.0.1:{s.mqtt}", APP_USER, app_pw, timeout=timeout))
+        tls = s.client_tls() if s.tls_dir else None
+        url = f"{'mqtts' if tls else 'mqtt'}://127.0.0.1:{s.mqtt}"
+        asyncio.run(mqtt_probe(url, APP_USER, password, timeout=timeout, tls=tls))  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ class RabbitNode:
     management: int
     mqtt: int
     dist: int
-    tls_dir: str = ""  # a secure lab's: AMQP and management over TLS only, clients show certificates; no MQTT
+    tls_dir: str = ""  # a secure lab's: AMQP and management over TLS only, clients show certificates, MQTT too
 
     @property
     def node(self) -> str:
@@ -94,6 +94,7 @@ def render_config(node: RabbitNode, peers: list[RabbitNode], password: str) -> s
         d = Path(node.tls_dir)
         files = {"cacertfile": d / "ca.pem", "certfile": d / "server-cert.pem", "keyfile": d / "server-key.pem"}
         listen = ["listeners.tcp = none", f"listeners.ssl.1 = 127.0.0.1:{node.amqp}", "mqtt.listeners.tcp = none"]
+        listen += [f"mqtt.listeners.ssl.1 = 127.0.0.1:{node.mqtt}"]  # with ssl_options, as AMQP
         for prefix in ("ssl_options", "management.ssl"):
             listen += [f"{prefix}.{k} = {v}" for k, v in files.items()]
             listen += [f"{prefix}.verify = verify_peer", f"{prefix}.fail_if_no_peer_cert = true"]
@@ -216,7 +217,7 @@ def topology_cluster(
 ) -> dict[str, object]:
     brokers: list[dict[str, object]] = [
         {"name": n.name, "node": n.node, "url": n.url, "management_url": n.management_url}
-        | ({} if secure else {"mqtt_url": f"mqtt://127.0.0.1:{n.mqtt}"})
+        | {"mqtt_url": f"{'mqtts' if secure else 'mqtt'}://127.0.0.1:{n.mqtt}"}
         for n in nodes
         if n.cluster == cluster
     ]
@@ -224,8 +225,12 @@ def topology_cluster(
         "kind": "rabbitmq",
         "credentials": {"user": ADMIN_USER, "password_file": str(secrets_dir / "rabbitmq")},
         # the nodes dial other clusters (shovels, federation) with the same files: on the lab they are on
-        # this host, owned by the nodes' user
-        **({"tls": secure.client_tls(), "outbound_tls": secure.client_tls()} if secure else {}),
+        # this host, owned by the nodes' user; they check the name the certificates carry beside 127.0.0.1
+        **(
+            {"tls": secure.client_tls(), "outbound_tls": {**secure.client_tls(), "server_name": "localhost"}}
+            if secure
+            else {}
+        ),
         # on a secure lab the client certificate (CN ferry) logs in, except to rabbit-dr's upstream art,
         # whose shovels' and federation links' URIs keep a password: both kinds of login are exercised
         **({"x509_login": True} if secure and cluster != "art" else {}),

@@ -3,8 +3,10 @@ accounts and users (``nats-jwt``), as production NATS deployments in operator mo
 
 Everything is written under the profile's directory: ``tls/`` (the CA, the servers' certificate
 and key, a client certificate and key) and ``secrets/`` (``<account>.creds``: a user's JWT and
-nkey seed, as ``nsc`` writes them; mode 0600). The servers get the operator's JWT and, through a
-memory resolver, every account's JWT.
+nkey seed, as ``nsc`` writes them; ``mqtt.jwt``: a bearer user JWT of the first account, allowed
+MQTT connections only, which MQTT clients send as their password since they cannot sign the
+server's nonce; mode 0600). The servers get the operator's JWT and, through a memory resolver,
+every account's JWT.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Secure:
     system_account: str  # its public key
     accounts: dict[str, str]  # public key -> account JWT (the resolver's preload)
     creds: dict[str, Path]  # account name -> a user's .creds file
+    mqtt_jwt: Path  # a bearer user JWT of APP_ACCOUNTS[0] for MQTT clients (their password)
 
     @property
     def ca(self) -> Path:
@@ -107,6 +110,12 @@ def make(pdir: Path) -> Secure:
             f"-----BEGIN USER NKEY SEED-----\n{user.key_pair.seed.decode()}\n------END USER NKEY SEED------\n"
         )
         path.chmod(0o600)
+        if name == APP_ACCOUNTS[0]:
+            mqtt = account.create_user("mqtt")
+            mqtt.claims.nats.bearer_token = True
+            mqtt.claims.nats.allowed_connection_types = ["MQTT"]
+            (sdir / "mqtt.jwt").write_text(mqtt.jwt + "\n")
+            (sdir / "mqtt.jwt").chmod(0o600)
         accounts[account.claims.sub], creds[name] = account.jwt, path
     (pdir / "operator.jwt").write_text(operator.jwt)
-    return Secure(tls_dir, pdir / "operator.jwt", system, accounts, creds)
+    return Secure(tls_dir, pdir / "operator.jwt", system, accounts, creds, sdir / "mqtt.jwt")

@@ -18,12 +18,14 @@ import os
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import nkeys
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import trustme
@@ -33,6 +35,7 @@ from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.lab.nats import nats_server_binary
 from ferry.lab.procs import free_ports, port_open
+from ferry.lab.secure import client_context
 from ferry.topology import load_topology
 from tests import helpers
 from tests.helpers import (
@@ -74,11 +77,19 @@ def test_the_secure_lab_writes_a_production_topology_that_checks_clean(secure: l
     assert all(b["url"].startswith("tls://") and b["monitor_url"].startswith("https://") for b in east["brokers"])
     r = ferry("topology", "check", str(topology), "--json", topology=topology)
     assert r.returncode == 0, r.stderr
+    assert set(east["mqtt_credentials"]) == {"token_file"} and all(
+        b["mqtt_url"].startswith("mqtts://") for b in east["brokers"]
+    )
     rows = json.loads(r.stdout)["probes"]
-    assert len(rows) == 6 * 3 and all(p["ok"] for p in rows), rows  # client, system account, HTTPS monitor
+    assert len(rows) == 6 * 4 and all(p["ok"] for p in rows), rows  # client, system account, HTTPS monitor, MQTT
     # every endpoint over TLS with the lab's server certificate; who ferry is, as the servers say
     assert all(p["tls"]["version"] == "TLSv1.3" and p["tls"]["subject"] == "CN=127.0.0.1" for p in rows), rows
-    accounts = {"client": "user ferry in account APP", "system": "user ferry in account SYS", "monitor": None}
+    accounts = {
+        "client": "user ferry in account APP",
+        "system": "user ferry in account SYS",
+        "monitor": None,
+        "mqtt": None,
+    }
     assert all(p["identity"] == accounts[p["endpoint"]] for p in rows), rows
 
 
@@ -168,11 +179,12 @@ def _malformed(d: Path) -> str:
 BAD = {
     "a creds file that is not there": (
         lambda c, d: c["credentials"].update(creds_file=str(d / "nope.creds")),
-        "error: credentials: creds file {d}/nope.creds does not exist",
+        "error: cluster 'west' (west-1): credentials: creds file {d}/nope.creds does not exist",
     ),
     "a malformed creds file": (
         lambda c, d: c["credentials"].update(creds_file=_malformed(d)),
-        "error: credentials: creds file {d}/bad.creds is not a NATS .creds file (a user JWT and an nkey seed)",
+        "error: cluster 'west' (west-1): credentials: creds file {d}/bad.creds is not a NATS .creds file (a user JWT "
+        "and an nkey seed)",
     ),
     "another CA": (
         lambda c, d: c["tls"].update(ca_file=other_ca(d)),
@@ -405,8 +417,10 @@ def test_topology_check_shows_tls_and_identity_and_warns_before_certificates_exp
     ], report["warnings"]
     human = ferry("topology", "check", str(topology), topology=topology)
     assert human.returncode == 0 and human.stderr.count("warning: ") == 2, human.stderr
-    # expired: the client's certificate (found before anything is dialled), the server's
-    clusters["short"]["tls"] = tls("client-old")
+    # expired: the client's certificate (found before anything is dialled; here a broker's own
+    # tls block names it, over its cluster's), the server's
+    old = {k: v for k, v in tls("client-old").items() if k != "ca_file"}
+    clusters["short"]["brokers"][0]["tls"] = old
     topology.write_text(yaml.safe_dump({"version": 1, "sites": {"s": {"clusters": clusters}}}))
     r = ferry("topology", "check", str(topology), topology=topology)
     assert r.returncode == 1 and f"the client certificate {d / 'client-old.pem'} expired on " in r.stderr, r.stderr
@@ -569,10 +583,44 @@ async def _lead_from(topo: Any, stream: str, server: str) -> None:
     raise AssertionError(f"{server} never led {stream}")
 
 
+def _mqtt_clients(state: lab.LabState, n: int) -> list[Any]:
+    """`n` MQTT clients (persistent sessions) through HAProxy over TLS, each showing the lab's client
+    certificate and logging in with the bearer JWT (operator mode), reconnecting when cut off."""
+    import paho.mqtt.client as mqtt
+
+    jwt = (state.path / "secrets" / "mqtt.jwt").read_text().strip()
+    url = urllib.parse.urlsplit(state.lb["clusters"]["east"]["mqtt"])
+    assert url.scheme == "mqtts"
+    clients = []
+    for i in range(n):
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"sec-mq-{i}", clean_session=False)
+        c.tls_set_context(client_context(str(state.path / "tls")))  # type: ignore[arg-type]
+        c.username_pw_set("mqtt", jwt)
+        c.reconnect_delay_set(1, 2)
+        c.connect_async(url.hostname, url.port, keepalive=30)
+        c.loop_start()
+        clients.append(c)
+    return clients
+
+
+def _mqtt_where(state: lab.LabState) -> dict[str, str]:
+    """client id -> east server, for the MQTT clients of :func:`_mqtt_clients` (connz over HTTPS)."""
+    where, ctx = {}, client_context(str(state.path / "tls"))
+    for b in load_topology(state.path / "topology.yaml").nats("east").brokers:
+        conns = httpx.get(f"{b.monitor_url}/connz", params={"limit": 10000}, timeout=5, verify=ctx).json()
+        where |= {
+            c["mqtt_client"]: b.name
+            for c in conns["connections"] or []
+            if c.get("mqtt_client", "").startswith("sec-mq")
+        }
+    return where
+
+
 def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab.LabState, tmp_path: Path) -> None:
     """HAProxy passes the clients' TLS through and checks each node's HTTPS monitoring port with the
     lab's CA and client certificate (plaintext is closed: a check that did not speak TLS fails),
-    then ferry serve's availability; the evacuation's clients reconnect through it, none lost."""
+    then ferry serve's availability; the evacuation's clients reconnect through it, none lost, and
+    so do MQTT clients over TLS (bearer JWT logins), none left on the node."""
     topology = secure.path / "topology.yaml"
     asyncio.run(make_stream(load_topology(topology), "east", "EVS", ["evs.>"], placement="east"))
     sales = load_topology(topology).in_account("SALES")  # a leader of the second account on east-1
@@ -580,40 +628,40 @@ def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab
     asyncio.run(_lead_from(sales, "EVSALES", "east-1"))
     checks = lambda: {n: r["check_status"] for n, r in _haproxy(secure).items()}  # noqa: E731
     helpers.wait_for(lambda: checks() == dict.fromkeys(NODES, "L7OK"), 20, "HAProxy's checks over TLS to pass")
+    mqtt_clients = _mqtt_clients(secure, 9)
     load = start_load(topology, "jetstream://east", "evs.{n}", tmp_path / "ledger", 12, "--producers", "30",
                       "--url", secure.lb["clusters"]["east"]["nats"])  # fmt: skip
     try:
         helpers.wait_for(lambda: int(_haproxy(secure)["east-1"]["scur"]) >= 5, 30, "clients on east-1 through HAProxy")
+        helpers.wait_for(lambda: len(_mqtt_where(secure)) == 9, 30, "the MQTT clients connected over TLS")
+        on_east_1 = sum(1 for node in _mqtt_where(secure).values() if node == "east-1")
         args = ["node", "evacuate", "east-1", "--wait-health-check", "3", "--conn-evict-rate", "50"]
         r = ferry(*args, "--wait-takeover", "1", "--json", topology=topology)
         assert r.returncode == 0, r.stderr[-2000:]
         result = json.loads(r.stdout)
         assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
+        assert on_east_1 > 0 and result["initial"]["mqtt"] == on_east_1, (on_east_1, result["initial"])
+
+        def elsewhere() -> bool:
+            where = _mqtt_where(secure)
+            return len(where) == 9 and "east-1" not in where.values()
+
+        helpers.wait_for(elsewhere, 30, "every MQTT client reconnected through HAProxy to another node")
         # the second account's leader moved too, asked as ferry's user in that account (its replica stays: no spare)
         assert asyncio.run(stream_leader(sales, "east", "EVSALES")) != "east-1", result
         assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
         finish(load)
-    finally:  # a failed assertion leaves no load running after the test
+    finally:  # a failed assertion leaves no load or client running after the test
         if load.poll() is None:
             load.kill()
             load.wait(timeout=30)
+        for c in mqtt_clients:
+            c.disconnect()
+            c.loop_stop()
     held, acked = held_ids(topology, "east", "EVS"), acked_ids(tmp_path / "ledger")
     assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 2000, (len(held), len(acked))
     ferry("node", "stop", "east-1", topology=topology, check=True)
     helpers.wait_for(lambda: _haproxy(secure)["east-1"]["status"] == "UP", 15, "HAProxy to take east-1 back")
-
-
-def _cmdlines_while(proc: subprocess.Popen, timeout: float) -> set[str]:
-    """Every process's command line, read every 0.2 s until `proc` exits."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        assert time.monotonic() < deadline, "the job did not finish"
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                seen.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        time.sleep(0.2)
-    return seen
 
 
 @pytest.mark.spark
@@ -623,18 +671,24 @@ def test_no_secret_reaches_any_output_or_the_journal(
     """The users' JWTs and seeds, the client's private key, the token: in none of this module's
     outputs, nor in any key-value bucket (the journal) of the secure lab's account, nor in the
     logs of its `ferry serve` and HAProxy; nor, for a snapshot and an audit run here, in any
-    process's command line while it ran (Spark's JVM and workers included), its Spark log or the
-    audit's HTML report."""
+    process's command line while it ran (Spark's JVM and workers included), its Spark log, its
+    Spark event log (plans, job and task descriptions, properties) or the audit's HTML report."""
     topology = secure.path / "topology.yaml"
     ledger = tmp_path / "ledger"
     asyncio.run(make_stream(load_topology(topology), "west", "SNAPSEC", ["snapsec.>"], placement="west"))
     r = ferry("load", "jetstream://west", "--subject", "snapsec.{n}", "--count", "50", "--ledger", str(ledger),
               topology=topology)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    # Spark's event log, as a user who keeps one would have it: the plans, the jobs' and tasks'
+    # descriptions, the JVM's properties and command line
+    conf_dir, events = tmp_path / "spark-conf", tmp_path / "spark-events"
+    conf_dir.mkdir()
+    events.mkdir()
+    (conf_dir / "spark-defaults.conf").write_text(f"spark.eventLog.enabled true\nspark.eventLog.dir file://{events}\n")
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology), "SPARK_CONF_DIR": str(conf_dir)}
     args = ["snapshot", "jetstream://west/SNAPSEC", "--out", str(tmp_path / "snap")]
     snap = subprocess.Popen([*helpers.FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    cmdlines = _cmdlines_while(snap, 300)
+    cmdlines = helpers.cmdlines_while(snap, 300)
     out, err = snap.communicate()
     assert snap.returncode == 0, err[-2000:]
     assert any("org.apache.spark" in c for c in cmdlines) and any("pyspark" in c for c in cmdlines)  # seen running
@@ -643,11 +697,19 @@ def test_no_secret_reaches_any_output_or_the_journal(
               topology=topology, cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     spark = Path(tempfile.gettempdir()) / f"ferry-spark-{os.getuid()}" / f"{snap.pid}.log"
-    job = [*cmdlines, out, err, spark.read_text(errors="replace"), html.read_text()]
+    logged = [  # eventlog_v2_*/events_*, compressed as Spark writes them by default
+        (pa.input_stream(str(f), compression="zstd").read() if f.suffix == ".zstd" else f.read_bytes()).decode(
+            errors="replace"
+        )
+        for f in events.rglob("events_*")
+    ]
+    assert any("SparkListenerSQLExecutionStart" in t and "SparkListenerTaskEnd" in t for t in logged), "no event log"
+    job = [*cmdlines, out, err, spark.read_text(errors="replace"), html.read_text(), *logged]
 
     secrets = list(plain_auth["secrets"])
     for creds in (secure.path / "secrets").glob("*.creds"):
         secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
+    secrets.append((secure.path / "secrets" / "mqtt.jwt").read_text().strip())  # MQTT's bearer JWT
     key = (secure.path / "tls" / "client-key.pem").read_text()
     secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
     assert len(secrets) >= 2 * 3 + 2 and len(OUTPUTS) > 20

@@ -21,11 +21,20 @@ from ferry.brokers.rabbitmq.wire import raw_connect
 from ferry.lab.scenarios import dr_federation
 from ferry.topology import load_topology
 from tests import helpers
-from tests.helpers import acked_ids, foreign_client, make_queues, make_stream, other_ca, queue_messages
+from tests.helpers import (
+    acked_ids,
+    foreign_client,
+    make_queues,
+    make_stream,
+    other_ca,
+    queue_messages,
+    read_stream,
+)
 
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
+CMDLINES: set[str] = set()  # every process's command line while a fail-back ran (Spark's too)
 
 
 ferry = functools.partial(helpers.ferry, record=OUTPUTS)
@@ -49,11 +58,11 @@ def test_the_secure_rabbitmq_lab_is_tls_only_and_checks_clean(secure_rabbit_dr: 
     for c in clusters.values():
         assert set(c["tls"]) == {"ca_file", "cert_file", "key_file"}, c
         assert all(b["url"].startswith("amqps://") and b["management_url"].startswith("https://") for b in c["brokers"])
-        assert not any("mqtt_url" in b for b in c["brokers"])  # no plaintext port left open
+        assert all(b["mqtt_url"].startswith("mqtts://") for b in c["brokers"])  # no plaintext port left open
     r = ferry("topology", "check", str(topology), "--json", topology=topology)
     assert r.returncode == 0, r.stderr
     probes = json.loads(r.stdout)["probes"]
-    assert len(probes) == 3 * 2 and all(p["ok"] for p in probes), probes  # AMQP and the management API
+    assert len(probes) == 3 * 3 and all(p["ok"] for p in probes), probes  # AMQP, the management API, MQTT
     assert all(p["tls"]["version"] == "TLSv1.3" and p["tls"]["subject"] == "CN=127.0.0.1" for p in probes), probes
     assert all(p["identity"] == "user ferry (tags administrator)" for p in probes if p["endpoint"] == "management")
     assert [n for n, c in clusters.items() if c.get("x509_login")] == ["pc1", "ltm"]  # art keeps its password
@@ -108,7 +117,9 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
 def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     secure_supercluster: lab.LabState, secure_rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
-    """JetStream (operator mode, TLS) into RabbitMQ (TLS), then the queue into Parquet and the audit."""
+    """JetStream (operator mode, TLS) into RabbitMQ (TLS), the queue into Parquet (a snapshot, and
+    the audit) and back into JetStream, the stream into Parquet and that into another queue: every
+    direction of copy between the three over TLS, each counted by id."""
     topology = secure_rabbit_dr.path.parent / "topology.yaml"  # both secure profiles
     topo = load_topology(topology)
     asyncio.run(make_stream(topo, "east", "SECURE_TO_Q", ["secure_to_q.>"], placement="east"))
@@ -127,10 +138,31 @@ def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     assert audit.returncode == 0, audit.stderr[-2000:]
     t = json.loads(audit.stdout)["tiers"]["q"]
     assert t["tier_messages"] == 3000 and t["lost"] == t["extra_copies"] == t["unexpected"] == 0, t
+    sent = acked_ids(tmp_path / "ledger")
+    asyncio.run(make_stream(topo, "east", "SECURE_FROM_Q", ["from_q.>"], placement="east"))
+    for src, dst, *extra in (
+        ("rabbitmq://ltm/%2F/from-js", "jetstream://east/SECURE_FROM_Q", "--subject-prefix", "from_q."),
+        ("jetstream://east/SECURE_TO_Q", f"parquet://{tmp_path / 'backup'}"),
+        (f"parquet://{tmp_path / 'backup'}", "rabbitmq://pc1/%2F/from-parquet", "--create"),
+    ):
+        r = ferry("copy", src, dst, *extra, "--json", topology=topology)
+        assert r.returncode == 0 and json.loads(r.stdout)["stored"] == 3000, (src, dst, r.stderr[-2000:])
+    from_q = [r["msg_id"] for r in asyncio.run(read_stream(topo, "east", "SECURE_FROM_Q"))]
+    assert len(from_q) == len(set(from_q)) == 3000 and set(from_q) == sent
+    from_parquet = held_ids(topology, "pc1", "from-parquet")
+    assert len(from_parquet) == len(set(from_parquet)) == 3000 and set(from_parquet) == sent
 
 
 BAD = {
     "another CA": (lambda c, d: c["tls"].update(ca_file=other_ca(d)), "TLS: certificate verify failed: "),
+    "a CA file that is not there": (  # said with the node that needed it, before anything is dialled
+        lambda c, d: c["tls"].update(ca_file=str(d / "nope.pem")),
+        "error: pc1: tls.ca_file {d}/nope.pem does not exist",
+    ),
+    "a password file that is not there": (
+        lambda c, d: c["credentials"].update(password_file=str(d / "nope")),
+        "error: pc1: credentials: password file {d}/nope does not exist",
+    ),
     "amqp:// to a TLS port": (  # (x509_login off: with it, the topology itself is refused first)
         lambda c, d: [
             c.pop("x509_login", None),
@@ -169,7 +201,7 @@ def test_bad_tls_settings_get_one_line_and_change_nothing(
     topology.write_text(yaml.safe_dump(doc))
     r = ferry("copy", "rabbitmq://pc1/%2F/tls-bad", "rabbitmq://ltm/%2F/tls-bad-copy", "--create", topology=topology)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
-    assert expected in r.stderr, r.stderr
+    assert expected.format(d=tmp_path) in r.stderr, r.stderr
 
     async def absent() -> Any:
         async with Management(load_topology(good).rabbitmq("ltm")) as m:
@@ -223,6 +255,7 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
     upstream = asyncio.run(_upstream(topo, "ltm"))
     uri = upstream["value"]["uri"]
     assert uri.startswith("amqps://") and "verify=verify_peer" in uri and "cacertfile=/" in uri and "keyfile=/" in uri
+    assert "server_name_indication=localhost" in uri  # the name on the lab's certificate, checked as a DNS name
     sent = {}
     for queue in queues:
         sent[queue] = load(topology, "ltm", queue, tmp_path / queue, 600)
@@ -238,7 +271,8 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
         assert asyncio.run(_upstream(topo, "ltm")) == upstream
         assert all(sorted(held_ids(topology, "ltm", q)) == sorted(sent[q]) for q in queues)
 
-    r = ferry("failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--json", topology=topology)
+    args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--json")
+    r = ferry(*args, topology=topology, watch=CMDLINES)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
@@ -252,10 +286,12 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
 
 
 def test_no_secret_reaches_any_output(secure_rabbit_dr: lab.LabState) -> None:
-    """The RabbitMQ password and the client's private key: in none of this module's outputs."""
+    """The RabbitMQ password and the client's private key: in none of this module's outputs, nor in
+    any process's command line while the fail-backs ran (the shovels' URIs carry the password to
+    RabbitMQ, which keeps it in its own definitions, as it does the federation upstreams')."""
     secrets = [(secure_rabbit_dr.path / "secrets" / "rabbitmq").read_text().strip()]
     key = (secure_rabbit_dr.path / "tls" / "client-key.pem").read_text()
     secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
-    assert all(secrets) and len(OUTPUTS) > 10
-    leaked = [s[:6] for s in secrets if any(s in o for o in OUTPUTS)]
+    assert all(secrets) and len(OUTPUTS) > 10 and any("failback" in c for c in CMDLINES)
+    leaked = [s[:6] for s in secrets if any(s in o for o in [*OUTPUTS, *CMDLINES])]
     assert not leaked, f"secrets starting with {leaked} reached an output"

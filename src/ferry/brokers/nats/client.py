@@ -39,13 +39,14 @@ from ferry.brokers.base import (
     Probe,
     expiry_warnings,
     mqtt_probe,
+    needed_by,
     timed_probe,
     tls_cause,
     tls_session,
 )
 from ferry.brokers.nats import auth
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, redact
-from ferry.topology import Credentials, NatsCluster
+from ferry.topology import Credentials, NatsBroker, NatsCluster
 
 __all__ = ["Nats", "connect", "monitor_get", "probe", "refused", "session", "sys_request", "while_electing"]
 
@@ -124,8 +125,10 @@ async def connect(
         "error_cb": on_error,
         **options,
     }
-    kwargs |= auth.client_options(cluster, creds, servers[0])
     who = f"cluster {name!r}" if name else f"NATS at {redact(servers[0])}"
+    broker = next((b.name for b in cluster.brokers if b.url == servers[0]), None)
+    with needed_by(f"{who} ({broker})" if broker else who):
+        kwargs |= auth.client_options(cluster, creds, servers[0])
     if "tls" in kwargs:
         await _refuse_plaintext(who, servers, timeout)
     try:
@@ -329,6 +332,20 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             answer.tls = await tls_session(url, ctx or ssl.create_default_context(), server_name)
         return answer
 
+    async def mqtt(b: NatsBroker, url: str) -> Answer:
+        ctx, server_name = tls_of(b.url)  # the broker's TLS settings
+        creds = cluster.mqtt_credentials or cluster.credentials
+        user, pw = None, None
+        if creds and creds.user:
+            user, pw = creds.user, creds.password()
+        elif creds and (creds.token_env or creds.token_file):  # a bearer user JWT (operator mode)
+            user, pw = "ferry", creds.token()
+        said = await mqtt_probe(url, user, pw, tls=ctx)
+        secure = url.startswith("mqtts:")
+        return Answer(
+            said, await tls_session(url, ctx or ssl.create_default_context(), server_name) if secure else None
+        )
+
     checks = []
     for b in cluster.brokers:
         checks.append(timed_probe(name, b.name, "client", b.url, client(b.url, False)))
@@ -337,9 +354,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
         if b.monitor_url:
             checks.append(timed_probe(name, b.name, "monitor", b.monitor_url, monitor(b.monitor_url)))
         if b.mqtt_url:
-            creds = cluster.credentials
-            user, pw = (creds.user, creds.password()) if creds and creds.user else (None, None)
-            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b, b.mqtt_url)))
     return list(await asyncio.gather(*checks))
 
 

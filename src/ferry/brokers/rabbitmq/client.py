@@ -25,7 +25,16 @@ import aiormq
 import httpx
 from pamqp import constants as _pamqp_constants
 
-from ferry.brokers.base import Answer, BrokerKind, Probe, mqtt_probe, timed_probe, tls_cause, tls_session
+from ferry.brokers.base import (
+    Answer,
+    BrokerKind,
+    Probe,
+    mqtt_probe,
+    needed_by,
+    timed_probe,
+    tls_cause,
+    tls_session,
+)
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, Forbidden, NotFound, redact
 from ferry.topology import RabbitBroker, RabbitCluster, Topology, broker_tls
 
@@ -76,8 +85,9 @@ class Management:
         self.name = name or self.broker.name
         creds = cluster.credentials
         self.user = creds.user if creds else ""
-        auth = (creds.user, creds.password() or "") if creds else None
-        verify = tls_context(cluster, self.broker) or True
+        with needed_by(self.name):
+            auth = (creds.user, creds.password() or "") if creds else None
+            verify = tls_context(cluster, self.broker) or True
         url = f"{self.broker.management_url}/api"
         self._http = httpx.AsyncClient(base_url=url, auth=auth, timeout=timeout, verify=verify)
 
@@ -153,8 +163,9 @@ def amqp_uri(topo: Topology, target: str, vhost: str, *, dialer: str) -> str:
             )
         files = {"cacertfile": tls.ca_file, "certfile": tls.cert_file, "keyfile": tls.key_file}
         # the node checks the certificate against the URI's host (an IP address against the
-        # certificate's IP names; a server_name_indication would be matched as a DNS name)
-        query = "?" + "&".join([f"{k}={quote(v, safe='/')}" for k, v in files.items() if v] + ["verify=verify_peer"])
+        # certificate's IP names), or against server_name_indication (a DNS name) when given
+        given = {**files, "server_name_indication": tls.server_name}
+        query = "?" + "&".join([f"{k}={quote(v, safe='/')}" for k, v in given.items() if v] + ["verify=verify_peer"])
     host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6
     login = amqp_login(cluster)
     if login is None:  # the dialling node's certificate logs in: no password in the URI
@@ -180,16 +191,18 @@ async def amqp_connect(
     """An AMQP connection to one broker of `cluster` (the first by default)."""
     broker = broker or cluster.brokers[0]
     parts = urlsplit(broker.url)
+    with needed_by(broker.name):
+        ctx, login = tls_context(cluster, broker), amqp_login(cluster)
     kwargs: dict[str, Any] = {
         "host": parts.hostname,
         "port": parts.port,
         "virtualhost": vhost,
         "ssl": parts.scheme == "amqps",
-        "ssl_context": tls_context(cluster, broker),
+        "ssl_context": ctx,
         "timeout": timeout,
         "client_properties": {"connection_name": name},
     }
-    if (login := amqp_login(cluster)) is None:  # SASL EXTERNAL: the client certificate is the login
+    if login is None:  # SASL EXTERNAL: the client certificate is the login
         kwargs["auth"] = "external"
     else:
         kwargs["login"], kwargs["password"] = login
@@ -259,14 +272,19 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         tls = await tls_session(b.management_url, ctx) if b.management_url.startswith("https:") else None
         return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", tls, identity)
 
+    async def mqtt(b: RabbitBroker, url: str) -> Answer:
+        creds = cluster.credentials
+        ctx = tls_context(cluster, b)
+        said = await mqtt_probe(url, *((creds.user, creds.password()) if creds else (None, None)), tls=ctx)
+        tls = await tls_session(url, ctx or ssl.create_default_context()) if url.startswith("mqtts:") else None
+        return Answer(said, tls)
+
     checks = []
     for b in cluster.brokers:
         checks.append(timed_probe(name, b.name, "client", b.url, amqp(b)))
         checks.append(timed_probe(name, b.name, "management", b.management_url, management(b)))
         if b.mqtt_url:
-            creds = cluster.credentials
-            user, pw = (creds.user, creds.password()) if creds else (None, None)
-            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt_probe(b.mqtt_url, user, pw)))
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b, b.mqtt_url)))
     return list(await asyncio.gather(*checks))
 
 
