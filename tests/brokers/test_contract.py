@@ -58,6 +58,10 @@ def test_every_kind_declares_what_it_can_do_and_what_is_worth_retrying() -> None
         assert BrokerUnavailable in k.retryable
     assert brokers.transient(BrokerUnavailable("x")) and not brokers.transient(AuthError("x"))
     assert brokers.translate(ValueError("not a broker's")) is None
+    from nats.js.errors import ServiceUnavailableError
+
+    unavailable = brokers.translate(ServiceUnavailableError())  # a 503 says nothing of itself
+    assert isinstance(unavailable, BrokerUnavailable) and "503: no responders" in str(unavailable)
 
 
 @pytest.mark.lab

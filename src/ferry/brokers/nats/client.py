@@ -70,6 +70,11 @@ class Nats(BrokerKind):
             return None
         if isinstance(exc, TimeoutError):
             return None  # said the same way for every kind
+        if type(exc).__name__ == "ServiceUnavailableError":  # a 503 (no responders) has no description
+            return BrokerUnavailable(
+                "JetStream did not take a request (503: no responders; its API or a stream's leader was "
+                "unavailable, as during an election): try again"
+            )
         text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
         if _is_auth(exc):
             return AuthError(text.splitlines()[0])
