@@ -53,10 +53,11 @@ from tests.helpers import (
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
+CMDLINES: set[str] = set()  # every process's command line while one ran (Spark's JVM and workers too)
 NODES = ("east-1", "east-2", "east-3")
 
 
-ferry = functools.partial(helpers.ferry, record=OUTPUTS)
+ferry = functools.partial(helpers.ferry, record=OUTPUTS, watch=CMDLINES)
 
 
 @pytest.fixture
@@ -180,6 +181,17 @@ BAD = {
     "a creds file that is not there": (
         lambda c, d: c["credentials"].update(creds_file=str(d / "nope.creds")),
         "error: cluster 'west' (west-1): credentials: creds file {d}/nope.creds does not exist",
+    ),
+    "an nkey seed file that is not there": (
+        lambda c, d: c.update(credentials={"nkey_seed_file": str(d / "nope.nk")}),
+        "error: cluster 'west' (west-1): credentials: nkey seed file {d}/nope.nk does not exist",
+    ),
+    "a malformed nkey seed": (
+        lambda c, d: [
+            (d / "bad.nk").write_text("SUnotaseed"),
+            c.update(credentials={"nkey_seed_file": str(d / "bad.nk")}),
+        ],
+        "error: cluster 'west' (west-1): credentials: nkey seed file {d}/bad.nk holds no valid nkey seed",
     ),
     "a malformed creds file": (
         lambda c, d: c["credentials"].update(creds_file=_malformed(d)),
@@ -670,9 +682,10 @@ def test_no_secret_reaches_any_output_or_the_journal(
 ) -> None:
     """The users' JWTs and seeds, the client's private key, the token: in none of this module's
     outputs, nor in any key-value bucket (the journal) of the secure lab's account, nor in the
-    logs of its `ferry serve` and HAProxy; nor, for a snapshot and an audit run here, in any
-    process's command line while it ran (Spark's JVM and workers included), its Spark log, its
-    Spark event log (plans, job and task descriptions, properties) or the audit's HTML report."""
+    logs of its `ferry serve` and HAProxy, nor in any process's command line while any of the
+    module's commands ran (Spark's JVM and workers included); nor, for a snapshot and an audit run
+    here, in its Spark log, its Spark event log (plans, job and task descriptions, properties) or
+    the audit's HTML report."""
     topology = secure.path / "topology.yaml"
     ledger = tmp_path / "ledger"
     asyncio.run(make_stream(load_topology(topology), "west", "SNAPSEC", ["snapsec.>"], placement="west"))
@@ -727,6 +740,8 @@ def test_no_secret_reaches_any_output_or_the_journal(
     kept = asyncio.run(journal())
     assert kept, "the move kept no journal record"
     logs = [Path(secure.proc(name).log).read_text(errors="replace") for name in ("ferry-serve", "haproxy")]
-    for text in OUTPUTS + kept + logs + job:
+    # every command of the module was watched: moves, copies, the repartition, the evacuation
+    assert any(" move " in c for c in CMDLINES) and any(" partition apply " in c for c in CMDLINES)
+    for text in OUTPUTS + kept + logs + job + sorted(CMDLINES):
         leaked = [i for i, s in enumerate(secrets) if s in text]
         assert not leaked, f"secrets number {leaked} in: {' '.join(text.split())[:300]}"

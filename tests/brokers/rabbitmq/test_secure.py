@@ -34,10 +34,10 @@ from tests.helpers import (
 pytestmark = pytest.mark.lab
 
 OUTPUTS: list[str] = []  # every CLI output of this module, searched for secrets at the end
-CMDLINES: set[str] = set()  # every process's command line while a fail-back ran (Spark's too)
+CMDLINES: set[str] = set()  # every process's command line while one ran (Spark's JVM and workers too)
 
 
-ferry = functools.partial(helpers.ferry, record=OUTPUTS)
+ferry = functools.partial(helpers.ferry, record=OUTPUTS, watch=CMDLINES)
 
 
 def held_ids(topology: Path, cluster: str, queue: str) -> list[str]:
@@ -272,7 +272,7 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
         assert all(sorted(held_ids(topology, "ltm", q)) == sorted(sent[q]) for q in queues)
 
     args = ("failback", "--from", "ltm", "--to", "pc1", "--engine", engine, "--json")
-    r = ferry(*args, topology=topology, watch=CMDLINES)
+    r = ferry(*args, topology=topology)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["outcome"] == "complete" and report["possible_duplicates"] == 0, report
@@ -287,8 +287,8 @@ def test_a_failback_over_tls_brings_every_orphan_home_once(
 
 def test_no_secret_reaches_any_output(secure_rabbit_dr: lab.LabState) -> None:
     """The RabbitMQ password and the client's private key: in none of this module's outputs, nor in
-    any process's command line while the fail-backs ran (the shovels' URIs carry the password to
-    RabbitMQ, which keeps it in its own definitions, as it does the federation upstreams')."""
+    any process's command line while its commands ran (copies, fail-backs; the shovels' URIs carry
+    the password to RabbitMQ, which keeps it in its own definitions, as the federation upstreams')."""
     secrets = [(secure_rabbit_dr.path / "secrets" / "rabbitmq").read_text().strip()]
     key = (secure_rabbit_dr.path / "tls" / "client-key.pem").read_text()
     secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
