@@ -111,7 +111,8 @@ def detail(reg: Registry, cname: str, kind: str, st: dict[str, Any], figures: di
         error = f"; error: {st['error']}" if st.get("error") else ""
         return f"{int(st.get('copied') or 0):,} of {int(st.get('messages') or 0):,} message(s){error}"
     if kind == "partition":
-        return f"{st.get('partitions', 0)} partition(s)"
+        phase = f", repartition {st['phase']}" if st.get("phase") not in (None, "done") else ""
+        return f"{st.get('partitions', 0)} partition(s){phase}"
     if kind in ("site_failover", "site_failback"):
         return f"primary {st.get('primary') or '?'}"
     return ""

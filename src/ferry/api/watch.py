@@ -173,7 +173,13 @@ class Registry:
             if isinstance(journal, ParamJournal) and (record := await read_journal(journal.m)):
                 states[FAILBACK_KEY] = record
             if isinstance(journal, KvJournal):
-                states.update(await self._partitions(name, journal))
+                maps = await self._partitions(name, journal)
+                for key in [k for k, st in states.items() if kind_of(k, st) == "partition" and k not in maps]:
+                    del states[key]  # a repartition's journal outlives its map's claim (forgotten)
+                for key, entry in maps.items():
+                    # an unfinished repartition's journal (same key): its phase and its driver too
+                    mine = states.get(key) or {}
+                    states[key] = {**mine, **entry} if mine.get("phase") not in (None, "done") else entry
             self._read(name, states, began)
             await asyncio.sleep(0.5)
 

@@ -162,7 +162,7 @@ def partition_status(
             by = r["by"]
             out.print(
                 f"  a repartition started by {by.get('host')} pid {by.get('pid')} at {by.get('at')} did not finish: "
-                "`ferry partition plan` shows it",
+                "`ferry partition plan` shows it, `ferry partition apply` of the map with --execute finishes it",
                 highlight=False,
             )
 
@@ -175,7 +175,11 @@ def partition_apply(
     ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     force: Annotated[
-        bool, typer.Option("--force", help="Apply although a repartition of this map did not finish (checked by hand).")
+        bool,
+        typer.Option(
+            "--force",
+            help="Apply although a repartition of this map left no journal to resume from (checked by hand).",
+        ),
     ] = False,
     via: ViaOpt = None,
     account: AccountOpt = None,
@@ -233,6 +237,13 @@ def partition_apply(
 
 def _print_partition_plan(p: dict[str, Any]) -> None:
     out.print(f"map {p['map']}" + (" (a repartition is pending)" if p.get("pending") else ""), highlight=False)
+    if u := p.get("unfinished"):
+        moves = ", ".join(f"{m['pattern']} {m['from']}->{m['to']}" for m in u["moves"])
+        out.print(
+            f"  a repartition ({moves}) did not finish, in its {u['phase']} phase: `ferry partition apply` of "
+            "this map with --execute finishes it",
+            highlight=False,
+        )
     for c in p["create"]:
         out.print(f"  create {c['stream']} for partition {c['partition']}: {', '.join(c['patterns'])}", highlight=False)
     for u in p["update"]:
@@ -259,6 +270,10 @@ def _print_partition_event(event: str, **data: Any) -> None:
             f"copied {data['messages']:,} messages of {data['pattern']} "
             f"{data['from']} -> {data['to']} (<= seq {data['up_to']:,})"
         )
+    elif event == "resume":
+        line = f"resuming the repartition of map {data['map']} ({data['op_id']}) from its {data['phase']} phase"
+    elif event == "unguarded":
+        line = f"note: {data['note']}"
     elif event == "switched":
         line = f"switched owners: the moving subjects had no stream for {data['seconds'] * 1000:.1f} ms"
     elif event == "guard":

@@ -24,7 +24,8 @@ from ferry.jobs import partition as pt
 from ferry.jobs.partition.claims import KEY, claim, open_claims, read_record
 from ferry.jobs.partition.map import Partition
 from ferry.jobs.partition.plan import list_streams
-from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, served, start_load
+from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, killed_at_event, served, start_load
+from tests.jobs.partition.setting import Setting
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.connect]
 
@@ -393,3 +394,39 @@ def test_a_map_whose_stream_cannot_be_made_withdraws_its_claim(supercluster: lab
             await forget(nc, ["pe"], ["PT_EASTN", "PT_NORTH", "PT_KEPT"])
 
     asyncio.run(clean())
+
+
+def test_a_repartition_killed_at_its_switch_is_finished_by_the_same_command(
+    supercluster: lab.LabState, tmp_path: Path
+) -> None:
+    """Issue 49: SIGKILLed right after the switch, a repartition left the old owner holding every
+    moved message, and a rerun found nothing to do. Its journal now tells the same command where
+    it stopped: the rerun forwards what the new owner lacks, purges the old owner once each moved
+    message is counted in the new one, and ends the claim; every id once, in its owner."""
+    s = Setting(supercluster, tmp_path, "pk")
+    s.start_load()
+    try:
+        events = killed_at_event("switched", 1, "partition", "apply", str(s.v2), "--execute", topology=s.topology)
+        assert [e["event"] for e in events][:2] == ["plan", "claimed"], events
+        record = s.on_record()
+        phase = record["journal"]["phase"]  # killed as it journaled the switch, or just before
+        assert record["claim"]["pending"] and phase in ("switching", "switched"), record
+        plan = json.loads(ferry("partition", "plan", str(s.v2), "--json", topology=s.topology, check=True).stdout)
+        assert plan["unfinished"]["phase"] == phase and plan["moves"] == [], plan  # owners already switched
+        r = ferry("partition", "apply", str(s.v2), topology=s.topology)
+        assert r.returncode == 2 and f"did not finish (phase {phase}" in r.stderr and "--execute" in r.stderr
+        r = s.apply("--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads(r.stdout)
+        assert result["resumed"] and result["outcome"] == "applied" and result["purged"] == result["copied"] > 1000
+        resumed = [json.loads(x) for x in r.stderr.splitlines() if x.startswith('{"event": "resume"')]
+        assert resumed and resumed[0]["phase"] == phase, r.stderr[-2000:]
+    finally:
+        s.stop_load()
+    counted = s.counted()
+    assert counted["lost"] == counted["twice"] == counted["misplaced"] == 0, counted
+    record = s.on_record()
+    assert record["claim"].get("pending") is None and record["journal"]["phase"] == "done", record
+    again = ferry("partition", "apply", str(s.v2), "--execute", "--json", topology=s.topology)
+    assert again.returncode == 0 and "resumed" not in json.loads(again.stdout), again.stderr[-2000:]
+    s.forget()

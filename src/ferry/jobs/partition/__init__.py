@@ -32,12 +32,15 @@ cluster, that owns a set of subject patterns::
   the new owner lacks is re-published, and only when the counts match are the
   moved subjects purged from the old owner.
 
+  A repartition is journaled (``ferry_ops``, key ``partition.<map>``) phase
+  by phase: the same command finishes one that was interrupted, copying only
+  what the new owners lack (their copies' ``Ferry-Source-Seq`` say how far it
+  got) and purging only once every moved message is counted in its new owner.
+
 Limits, said plainly: per-subject order in the new owner is kept for the
 history and for live traffic, but messages stored in the old owner during the
 last moments before the switch land after the first ones stored in the new
-owner (at most what is published during the switch, tens of milliseconds);
-a repartition interrupted half-way is not resumed automatically (the claims
-record shows it as pending and nothing is purged before the copy is counted).
+owner (at most what is published during the switch, tens of milliseconds).
 """
 
 from ferry.jobs.partition.claims import claimed_maps, read_claims

@@ -8,7 +8,8 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from ferry.brokers.nats import jsapi
+from ferry.brokers.nats import jsapi, while_electing
+from ferry.headers import SOURCE_HDR, SOURCE_SEQ_HDR
 from ferry.jobs.partition.claims import claimed_maps, foreign_conflicts
 from ferry.jobs.partition.map import PartitionMap
 from ferry.subjects import SubjectIndex, overlap_witness, problem
@@ -42,10 +43,50 @@ async def stored_count(nc: Client, stream: str, pattern: str) -> int:
 
     jsm = nc.jsm()
     cfg = ConsumerConfig(filter_subject=pattern, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0)
-    info = await jsm.add_consumer(stream, cfg)
+    info = await while_electing(lambda: jsm.add_consumer(stream, cfg))
     with contextlib.suppress(Exception):
         await jsm.delete_consumer(stream, info.name)
     return info.num_pending
+
+
+async def copies_of(
+    nc: Client, stream: str, subjects: list[str], source: str, *, after: int = 0, last: bool = False
+) -> list[int]:
+    """The source sequences of `stream`'s copies of `source` (``via/STREAM``, their Ferry-Source
+    header) on `subjects`, stored after sequence `after` (`last`: only the last message on
+    `subjects`), in order; read headers only, on one ephemeral consumer."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    if not subjects:
+        return []
+    jsm = nc.jsm()
+    where = (
+        {"deliver_policy": DeliverPolicy.LAST}
+        if last
+        else {
+            "deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
+            "opt_start_seq": after + 1,
+        }
+    )
+    cfg = ConsumerConfig(
+        filter_subjects=subjects, ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True,
+        inactive_threshold=30.0, **where,
+    )  # fmt: skip
+    info = await while_electing(lambda: jsm.add_consumer(stream, cfg))
+    seqs, left = [], min(info.num_pending, 1) if last else info.num_pending
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(info.name, stream)
+        while left > 0:
+            for m in await sub.fetch(min(left, 1000), timeout=10):
+                left -= 1
+                headers = m.headers or {}
+                if headers.get(SOURCE_HDR) == source and SOURCE_SEQ_HDR in headers:
+                    seqs.append(int(headers[SOURCE_SEQ_HDR]))
+        await sub.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await jsm.delete_consumer(stream, info.name)
+    return seqs
 
 
 def patterns_of(config: dict[str, Any]) -> list[str]:
