@@ -160,6 +160,7 @@ def test_a_credential_an_executor_cannot_read_names_its_host(
         stream_frame(spark, cfg).count()
     err = spark_error(info.value)
     assert isinstance(err, Unreadable), err
-    assert str(err) == (
-        f"credentials: environment variable FERRY_T_LATE is not set (on Spark executor host {socket.gethostname()})"
+    assert str(err) == (  # the cluster and broker that needed it, and where the task ran
+        "cluster 'east' (east-1): credentials: environment variable FERRY_T_LATE is not set "
+        f"(on Spark executor host {socket.gethostname()})"
     )
