@@ -337,7 +337,8 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             answer.tls = await tls_session(url, ctx or ssl.create_default_context(), server_name)
         return answer
 
-    async def mqtt(b: NatsBroker, url: str) -> Answer:
+    async def mqtt(b: NatsBroker) -> Answer:
+        url = b.mqtt_url or ""
         ctx, server_name = tls_of(b.url)  # the broker's TLS settings
         creds = cluster.mqtt_credentials or cluster.credentials
         user, pw = None, None
@@ -359,7 +360,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
         if b.monitor_url:
             checks.append(timed_probe(name, b.name, "monitor", b.monitor_url, monitor(b.monitor_url)))
         if b.mqtt_url:
-            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b, b.mqtt_url)))
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b)))
     return list(await asyncio.gather(*checks))
 
 

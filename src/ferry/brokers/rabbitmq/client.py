@@ -272,7 +272,8 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         tls = await tls_session(b.management_url, ctx) if b.management_url.startswith("https:") else None
         return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", tls, identity)
 
-    async def mqtt(b: RabbitBroker, url: str) -> Answer:
+    async def mqtt(b: RabbitBroker) -> Answer:
+        url = b.mqtt_url or ""
         creds = cluster.credentials
         ctx = tls_context(cluster, b)
         said = await mqtt_probe(url, *((creds.user, creds.password()) if creds else (None, None)), tls=ctx)
@@ -284,7 +285,7 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         checks.append(timed_probe(name, b.name, "client", b.url, amqp(b)))
         checks.append(timed_probe(name, b.name, "management", b.management_url, management(b)))
         if b.mqtt_url:
-            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b, b.mqtt_url)))
+            checks.append(timed_probe(name, b.name, "mqtt", b.mqtt_url, mqtt(b)))
     return list(await asyncio.gather(*checks))
 
 
