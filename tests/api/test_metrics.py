@@ -89,7 +89,8 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
     copying = {"kind": "copy", "state": "running", "source": src, "destination": dst, "messages": 200, "copied": 50,
                "owner": Journal.owner(), "heartbeat": now}  # fmt: skip
     dead_copy = {**copying, "source": "jetstream://east/OTHER", "heartbeat": now - 60}  # its ferry died
-    pmap = {"kind": "partition", "map": "orders", "state": "repartitioning", "partitions": 3}
+    # a map whose repartition is unfinished: its claim's figures and its journal's phase (watch.py merges them)
+    pmap = {"kind": "partition", "map": "orders", "state": "repartitioning", "partitions": 3, "phase": "switching"}
     east = {
         "move.ORDERS": move, "evacuation.east.east-1": evac, "relay.nyc.sfo": relay,
         "copy.1": copying, "copy.2": dead_copy, "partition.orders": pmap,
@@ -112,6 +113,8 @@ def test_every_job_on_record_is_counted_once_with_its_figures(registry: Registry
     assert sample(text, "ferry_operations", kind="copy", state="interrupted") == 1
     assert sample(text, "ferry_operations", kind="copy", state="done") == 0
     assert sample(text, "ferry_operations", kind="partition", state="repartitioning") == 1
+    (shown,) = [o for o in view(registry, Audits(None))["operations"] if o["kind"] == "partition"]
+    assert shown["detail"] == "3 partition(s), repartition switching", shown
     assert sample(text, "ferry_operation_progress_ratio", kind="copy", id=f"{src} -> {dst}") == 0.25
     assert sample(text, "ferry_move_missed_total", stream="ORDERS") == 12
     assert sample(text, "ferry_operation_progress_ratio", kind="evacuation", id="east/east-1") == 0.25
