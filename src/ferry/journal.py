@@ -161,6 +161,7 @@ class KvJournal(Journal):
         self.revision = 0
         self.state: dict[str, Any] = {}
         self._background: asyncio.Future[None] | None = None
+        self._writing = asyncio.Lock()  # one write at a time: each CAS needs the revision of the one before
 
     async def open(self, create: bool = True) -> dict[str, Any] | None:
         """Open the bucket (a key of '' opens only that); the key's current state, or None. Without
@@ -248,6 +249,10 @@ class KvJournal(Journal):
             self._background = asyncio.ensure_future(self._write())
 
     async def _write(self, release: bool = False, **changes: Any) -> None:
+        async with self._writing:  # a background write (save_soon) may start while a save() writes
+            await self._write_now(release, **changes)
+
+    async def _write_now(self, release: bool = False, **changes: Any) -> None:
         from nats.js.errors import KeyWrongLastSequenceError
 
         self.state.update(changes, owner=None if release else self.owner(), heartbeat=time.time())

@@ -144,6 +144,26 @@ async def test_kv_saves_are_compare_and_set(supercluster: lab.LabState, rabbit_d
 
 
 @pytest.mark.lab
+async def test_one_drivers_heartbeats_and_saves_never_race(supercluster: lab.LabState, rabbit_dr: lab.LabState) -> None:
+    """A background heartbeat (save_soon) that starts while a save writes: both go out, in turn. A
+    repartition's journal once failed its own save ("changed by another ferry") so."""
+    key = f"test.{uuid.uuid4().hex[:8]}"
+    async with store("kv", supercluster, rabbit_dr) as make:
+        j = await make(key)
+        await j.save(n=0)
+
+        async def beat() -> None:
+            for _ in range(200):
+                j.save_soon()
+                await asyncio.sleep(0)
+
+        await asyncio.gather(beat(), *(j.save(n=i) for i in range(1, 30)))
+        await j.save(n=30)
+        assert (await (await make(key)).open())["n"] == 30
+        await j.delete()
+
+
+@pytest.mark.lab
 async def test_a_request_changes_fields_without_taking_ownership(
     supercluster: lab.LabState, rabbit_dr: lab.LabState
 ) -> None:
