@@ -55,10 +55,16 @@ async def copies_of(
     """The source sequences of `stream`'s copies of `source` (``via/STREAM``, their Ferry-Source
     header) on `subjects`, stored after sequence `after` (`last`: only the last message on
     `subjects`), in order; read headers only, on one ephemeral consumer."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
     if not subjects:
         return []
+    # read again while JetStream answers 503 (no responders: seen right after a switch and after a
+    # killed run's connection went): the read changes nothing
+    return await while_electing(lambda: _copies_of(nc, stream, subjects, source, after, last))
+
+
+async def _copies_of(nc: Client, stream: str, subjects: list[str], source: str, after: int, last: bool) -> list[int]:
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
     jsm = nc.jsm()
     where = (
         {"deliver_policy": DeliverPolicy.LAST}
@@ -72,7 +78,7 @@ async def copies_of(
         filter_subjects=subjects, ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True,
         inactive_threshold=30.0, **where,
     )  # fmt: skip
-    info = await while_electing(lambda: jsm.add_consumer(stream, cfg))
+    info = await jsm.add_consumer(stream, cfg)
     seqs, left = [], min(info.num_pending, 1) if last else info.num_pending
     try:
         sub = await nc.jetstream().pull_subscribe_bind(info.name, stream)

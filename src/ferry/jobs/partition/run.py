@@ -422,6 +422,7 @@ async def _repartition(
             await _put_stream(nc, st["before"][t], True)
         await unclaim(kv, pmap, st["claimed"], st["seen"])
         await journal.delete()  # last: a journal whose claim was withdrawn claims again when resumed
+        journal.state = {}  # no heartbeat writes it again
         shutil.rmtree(root, ignore_errors=True)
         m, n = dropped[0]
         before = st["before"][m["to"]]
