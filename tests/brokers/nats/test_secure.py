@@ -659,6 +659,18 @@ def test_an_evacuation_behind_haproxy_checked_over_tls_loses_nothing(secure: lab
             return len(where) == 9 and "east-1" not in where.values()
 
         helpers.wait_for(elsewhere, 30, "every MQTT client reconnected through HAProxy to another node")
+        # ferry serve, reading the secured cluster's journal, shows it (its answers join the secret grep)
+        token = Path(secure.lb["token_file"]).read_text().strip()
+
+        def shown() -> bool:
+            r = httpx.get(secure.lb["serve"] + "/api/console", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            OUTPUTS.append(r.text)
+            ops = r.json()["operations"]
+            return any(
+                o["kind"] == "evacuation" and o["id"] == "east/east-1" and o["state"] == "prohibiting" for o in ops
+            )
+
+        helpers.wait_for(shown, 15, "ferry serve to show the evacuation")
         # the second account's leader moved too, asked as ferry's user in that account (its replica stays: no spare)
         assert asyncio.run(stream_leader(sales, "east", "EVSALES")) != "east-1", result
         assert _haproxy(secure)["east-1"]["status"].startswith("DOWN") and _haproxy(secure)["east-1"]["scur"] == "0"
