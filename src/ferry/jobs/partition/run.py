@@ -339,7 +339,6 @@ async def _repartition(
     counted in its new owner), **done**."""
     cluster = topo.nats(via)
     cjson = cluster.model_dump_json()
-    source = {i: f"{via}/{m['from']}" for i, m in enumerate(p["moves"] if prior is None else prior["moves"])}
     if prior is None:
         moves = p["moves"]
         await check_listen(cluster, [m["pattern"] for m in moves])  # its guard refused later would leave copies
@@ -387,6 +386,7 @@ async def _repartition(
             "then are not covered where the subjects had no owner (JetStream publishes with retries are)",
         )
     moves, targets, op_id = st["moves"], st["targets"], st["op_id"]
+    source = {i: f"{via}/{m['from']}" for i, m in enumerate(moves)}  # their copies' Ferry-Source
     xs = {i: st["copied_as"][str(i)] for i in range(len(moves))}
     root = Path(st["capture_dir"])
     done: dict[int, int] = {int(k): v for k, v in (st.get("done") or {}).items()}
@@ -410,7 +410,7 @@ async def _repartition(
         """A new owner that dropped copies as duplicates (its duplicate window still holds their
         msg ids: it held them itself a moment ago) would own the pattern without them: undo the
         staging before the switch, and say when to run the same command again (its --force too)."""
-        dropped = [(m, dups[i]) for i, m in enumerate(moves) if dups[i]]
+        dropped = [i for i in range(len(moves)) if dups[i]]
         if not dropped:
             return
         for t in targets:
@@ -424,7 +424,8 @@ async def _repartition(
         await journal.delete()  # last: a journal whose claim was withdrawn claims again when resumed
         journal.state = {}  # no heartbeat writes it again
         shutil.rmtree(root, ignore_errors=True)
-        m, n = dropped[0]
+        first = dropped[0]
+        m, n = moves[first], dups[first]
         before = st["before"][m["to"]]
         if before is not None:
             window = int(before.get("duplicate_window", 0)) / 1e9
@@ -433,10 +434,9 @@ async def _repartition(
             after = f"; run the same command again after {at}"
         else:
             why, after = "", ""  # a new stream remembers nothing
-        copied_as = ", ".join(x for i, mm in enumerate(moves) if mm is m for x in xs[i])
         raise OperationFailed(
             f"{m['to']} dropped {n:,} of the copies of {m['pattern']} as duplicates: {why}{m['from']} holds "
-            f"messages that share one. Undone: {m['from']} still owns {copied_as} and holds every "
+            f"messages that share one. Undone: {m['from']} still owns {', '.join(xs[first])} and holds every "
             f"message{after}"
         )
 
