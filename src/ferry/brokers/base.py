@@ -101,7 +101,7 @@ async def tls_session(
     protocol speaks one line before TLS starts (a NATS server's INFO)."""
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
-    port = parts.port or {"https": 443, "amqps": 5671}.get(parts.scheme, 4222)
+    port = parts.port or {"https": 443, "amqps": 5671, "mqtts": 8883}.get(parts.scheme, 4222)
     timeout = 3.0
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
@@ -142,10 +142,16 @@ def certificate_file_expiry(path: Path) -> tuple[int, str]:
 
 
 async def mqtt_probe(
-    url: str, user: str | None, password: str | None, timeout: float = 3.0, tls: ssl.SSLContext | None = None
-) -> str:
+    url: str,
+    user: str | None,
+    password: str | None,
+    timeout: float = 3.0,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> Answer:
     """An MQTT 3.1.1 CONNECT answered by CONNACK, with paho-mqtt in a thread; over TLS for an
-    ``mqtts://`` URL (with `tls`, else the system's CAs)."""
+    ``mqtts://`` URL (with `tls`, else the system's CAs), and then the TLS session it offers
+    (:func:`tls_session`, checked against `server_name` when given)."""
     import paho.mqtt.client as mqtt
 
     parts = urlsplit(url)
@@ -160,7 +166,9 @@ async def mqtt_probe(
         if user:
             client.username_pw_set(user, password)
         client.on_connect = lambda c, u, f, rc, p=None: result.setdefault("rc", rc)
-        client.connect(parts.hostname or "127.0.0.1", parts.port or 1883, keepalive=10)
+        client.connect(
+            parts.hostname or "127.0.0.1", parts.port or (8883 if parts.scheme == "mqtts" else 1883), keepalive=10
+        )
         deadline = time.monotonic() + timeout
         while "rc" not in result and time.monotonic() < deadline:
             client.loop(timeout=0.1)
@@ -178,7 +186,10 @@ async def mqtt_probe(
         if "auth" in str(rc).lower() or "password" in str(rc).lower():
             raise AuthError(f"MQTT {parts.hostname}:{parts.port}: {rc}")
         raise BrokerUnavailable(f"MQTT {parts.hostname}:{parts.port}: {rc}")
-    return "CONNACK accepted"
+    secure = parts.scheme == "mqtts"
+    return Answer(
+        "CONNACK accepted", await tls_session(url, tls or ssl.create_default_context(), server_name) if secure else None
+    )
 
 
 Batches = Iterable[Any] | AsyncIterable[Any]  # of Arrow record batches: Spark's (sync) or a reader's

@@ -338,7 +338,6 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
         return answer
 
     async def mqtt(b: NatsBroker) -> Answer:
-        url = b.mqtt_url or ""
         ctx, server_name = tls_of(b.url)  # the broker's TLS settings
         creds = cluster.mqtt_credentials or cluster.credentials
         user, pw = None, None
@@ -346,11 +345,7 @@ async def probe(name: str, cluster: NatsCluster) -> list[Probe]:
             user, pw = creds.user, creds.password()
         elif creds and (creds.token_env or creds.token_file):  # a bearer user JWT (operator mode)
             user, pw = "ferry", creds.token()
-        said = await mqtt_probe(url, user, pw, tls=ctx)
-        secure = url.startswith("mqtts:")
-        return Answer(
-            said, await tls_session(url, ctx or ssl.create_default_context(), server_name) if secure else None
-        )
+        return await mqtt_probe(b.mqtt_url or "", user, pw, tls=ctx, server_name=server_name)
 
     checks = []
     for b in cluster.brokers:

@@ -273,12 +273,9 @@ async def probe(name: str, cluster: RabbitCluster) -> list[Probe]:
         return Answer(f"{ov.get('node')} cluster {ov.get('cluster_name')}", tls, identity)
 
     async def mqtt(b: RabbitBroker) -> Answer:
-        url = b.mqtt_url or ""
         creds = cluster.credentials
-        ctx = tls_context(cluster, b)
-        said = await mqtt_probe(url, *((creds.user, creds.password()) if creds else (None, None)), tls=ctx)
-        tls = await tls_session(url, ctx or ssl.create_default_context()) if url.startswith("mqtts:") else None
-        return Answer(said, tls)
+        login = (creds.user, creds.password()) if creds else (None, None)
+        return await mqtt_probe(b.mqtt_url or "", *login, tls=tls_context(cluster, b))
 
     checks = []
     for b in cluster.brokers:
