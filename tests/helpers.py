@@ -121,12 +121,12 @@ def ferry_killed_when(
     return proc.returncode, stderr.decode()
 
 
-def started_json(*args: str, topology: Path) -> subprocess.Popen[str]:
+def started_json(*args: str, topology: Path, cwd: Path | None = None) -> subprocess.Popen[str]:
     """`ferry ARGS --json` started in a process group of its own (stdout and stderr piped)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
     argv = [*FERRY, *args, "--json"]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, cwd=cwd)  # fmt: skip
 
 
 def wait_event(proc: subprocess.Popen[str], event: str, nth: int = 1, timeout: float = 120) -> list[dict[str, Any]]:
@@ -149,10 +149,10 @@ def wait_event(proc: subprocess.Popen[str], event: str, nth: int = 1, timeout: f
     return events
 
 
-def killed_at_event(event: str, nth: int, *args: str, topology: Path) -> list[dict[str, Any]]:
-    """`ferry ARGS --json`, its process group (driver, JVM, workers) SIGKILLed once it has emitted
-    `event` `nth` times; the events it emitted."""
-    proc = started_json(*args, topology=topology)
+def killed_at_event(event: str, nth: int, *args: str, topology: Path, cwd: Path | None = None) -> list[dict[str, Any]]:
+    """`ferry ARGS --json` (run in `cwd`), its process group (driver, JVM, workers) SIGKILLed once
+    it has emitted `event` `nth` times; the events it emitted."""
+    proc = started_json(*args, topology=topology, cwd=cwd)
     try:
         return wait_event(proc, event, nth)
     finally:

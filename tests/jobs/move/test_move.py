@@ -24,7 +24,18 @@ from ferry.jobs import move as mv
 from ferry.jobs.shared.guard import Guard, read_captures
 from ferry.lab.procs import free_ports, port_open
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, RATE, as_nats_user, ferry, finish, judge, make_stream, start_load, wait_for
+from tests.helpers import (
+    FERRY,
+    RATE,
+    as_nats_user,
+    ferry,
+    finish,
+    judge,
+    killed_at_event,
+    make_stream,
+    start_load,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
@@ -39,18 +50,6 @@ def move(topology: Path, *args: str, cwd: Path | None = None) -> tuple[int, dict
     r = subprocess.run([*FERRY, "move", *args, "--json"], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
     events = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, events
-
-
-def move_until(topology: Path, stream: str, event: str, cwd: Path | None = None) -> subprocess.Popen:
-    """`ferry move STREAM --to west --json` started, returned once it has emitted `event`."""
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    args = [*FERRY, "move", stream, "--to", "west", "--json"]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if f'"event": "{event}"' in line:
-            return proc
-    raise AssertionError(f"the move ended ({proc.wait(timeout=30)}) without the event {event!r}")
 
 
 def where(topology: Path, stream: str) -> tuple[str, list[str]]:
@@ -499,9 +498,8 @@ def test_killed_move_resumes_from_another_directory(supercluster: lab.LabState, 
     fill_big(topo, "MOVE_K")
     load = start_load(topology, "nats://west", "move_k.core.{n}", tmp_path / "ledger", 12, "--no-msg-id")
     time.sleep(2)
-    first = move_until(topology, "MOVE_K", "placement", cwd=tmp_path)  # the placement update is out: under way
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
+    # killed once the placement update is out: under way
+    killed_at_event("placement", 1, "move", "MOVE_K", "--to", "west", topology=topology, cwd=tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code, result, events = move(topology, "MOVE_K", "--to", "west", cwd=elsewhere)
@@ -526,9 +524,7 @@ def test_a_move_killed_as_its_guard_starts_is_resumed_and_leaves_no_capture(
     monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "state"))
     topology = topology_of(supercluster)
     asyncio.run(make_stream(profile_topology(supercluster), "east", "MOVE_G", ["move_g.>"], placement="east"))
-    first = move_until(topology, "MOVE_G", "guard")
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
+    killed_at_event("guard", 1, "move", "MOVE_G", "--to", "west", topology=topology)
     assert [p.name for p in (tmp_path / "state" / "moves").iterdir()], "the guard wrote no capture"
     code, result, events = move(topology, "MOVE_G", "--to", "west")
     assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
