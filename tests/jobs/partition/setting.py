@@ -2,11 +2,13 @@
 east) owning `<p>.eu.>` and `<p>.us.>`; map v2 splits `<p>.us.>` off to `<P>_US`. Numbered
 messages are stored first, and acked JetStream publishes go on during the repartition. After the
 rerun, every id is counted in the streams here: each once, in its owner only. Shared by the kill
-test of test_partition.py and the fault matrix of test_faults.py."""
+test of test_partition.py and the fault matrix of test_faults.py, as is `forget`, which removes
+what a partition test made."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -90,16 +92,23 @@ class Setting:
         return asyncio.run(read())
 
     def forget(self) -> None:
-        """Remove the map's claim, journal and streams (the claims record is shared by the lab's account)."""
+        """Remove the map's claim, journal and streams."""
 
         async def go() -> None:
             async with bnats.session(self.topo.nats("east")) as nc:
-                kv = await open_claims(nc)
-                record, revision = await read_record(kv)
-                record["maps"].pop(self.name, None)
-                await kv.update(KEY, json.dumps(record).encode(), last=revision)
+                await forget(nc, [self.name], [self.old, self.new])
                 await (await nc.jetstream().key_value("ferry_ops")).delete(f"partition.{self.name}")
-                for s in (self.old, self.new):
-                    await jsapi.api(nc, f"$JS.API.STREAM.DELETE.{s}")
 
         asyncio.run(go())
+
+
+async def forget(nc: Any, maps: list[str], streams: list[str]) -> None:
+    """Remove what a test claimed and created (the claims record is shared by the lab's account)."""
+    kv = await open_claims(nc)
+    record, revision = await read_record(kv)
+    for m in maps:
+        record["maps"].pop(m, None)
+    await kv.update(KEY, json.dumps(record).encode(), last=revision)
+    for s in streams:
+        with contextlib.suppress(Exception):
+            await jsapi.api(nc, f"$JS.API.STREAM.DELETE.{s}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -21,11 +20,11 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.nats import jsapi
 from ferry.errors import Conflict
 from ferry.jobs import partition as pt
-from ferry.jobs.partition.claims import KEY, claim, open_claims, read_record
+from ferry.jobs.partition.claims import claim, open_claims
 from ferry.jobs.partition.map import Partition
 from ferry.jobs.partition.plan import list_streams
 from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, killed_at_event, served, start_load
-from tests.jobs.partition.setting import Setting
+from tests.jobs.partition.setting import Setting, forget
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.connect]
 
@@ -38,18 +37,6 @@ def write_map(path: Path, name: str, partitions: list[dict[str, Any]]) -> Path:
 async def per_subject(nc: Any, stream: str) -> dict[str, int]:
     info = await jsapi.stream_info(nc, stream, subjects_filter=">")
     return info["state"].get("subjects") or {}
-
-
-async def forget(nc: Any, maps: list[str], streams: list[str]) -> None:
-    """Remove what a test claimed and created (the claims record is shared by the lab's account)."""
-    kv = await open_claims(nc)
-    record, revision = await read_record(kv)
-    for m in maps:
-        record["maps"].pop(m, None)
-    await kv.update(KEY, json.dumps(record).encode(), last=revision)
-    for s in streams:
-        with contextlib.suppress(Exception):
-            await jsapi.api(nc, f"$JS.API.STREAM.DELETE.{s}")
 
 
 FOUR = [
