@@ -121,6 +121,17 @@ def ferry_killed_when(
     return proc.returncode, stderr.decode()
 
 
+def haproxy_servers(state: Any, proxy: str) -> dict[str, dict[str, str]]:
+    """HAProxy's own view of one proxy's servers (its stats CSV): server name -> its row (status,
+    check_status, scur: current sessions, ...)."""
+    import csv
+    import io
+
+    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
+    rows = csv.DictReader(io.StringIO(text))
+    return {r["svname"]: r for r in rows if r["pxname"] == proxy and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
 def started_json(*args: str, topology: Path, cwd: Path | None = None) -> subprocess.Popen[str]:
     """`ferry ARGS --json` started in a process group of its own (stdout and stderr piped)."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}

@@ -9,10 +9,8 @@ import asyncio
 import base64
 import contextlib
 import copy
-import csv
 import datetime
 import functools
-import io
 import json
 import os
 import subprocess
@@ -577,9 +575,7 @@ def test_a_partition_map_of_the_second_account_is_kept_in_that_account(secure: l
 
 def _haproxy(state: lab.LabState) -> dict[str, dict[str, str]]:
     """HAProxy's own view of nats_east's servers: status and current client sessions."""
-    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
-    rows = csv.DictReader(io.StringIO(text))
-    return {r["svname"]: r for r in rows if r["pxname"] == "nats_east" and r["svname"] not in ("FRONTEND", "BACKEND")}
+    return helpers.haproxy_servers(state, "nats_east")
 
 
 async def _lead_from(topo: Any, stream: str, server: str) -> None:

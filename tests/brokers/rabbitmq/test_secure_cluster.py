@@ -6,20 +6,26 @@ message is held once."""
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management
 from ferry.topology import Topology, load_topology
-from tests.helpers import acked_ids, ferry, finish, make_queues, queue_messages, start_load, wait_for
+from tests.helpers import (
+    acked_ids,
+    ferry,
+    finish,
+    haproxy_servers,
+    make_queues,
+    queue_messages,
+    start_load,
+    wait_for,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -28,12 +34,7 @@ NODES = ("rabbits-1", "rabbits-2", "rabbits-3")
 
 def _checks(state: lab.LabState) -> dict[str, str]:
     """HAProxy's last check of each node of the AMQP frontend (L7OK: its HTTPS health port answered)."""
-    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
-    return {
-        r["svname"]: r["check_status"]
-        for r in csv.DictReader(io.StringIO(text))
-        if r["pxname"] == "amqp_rabbits" and r["svname"] in NODES
-    }
+    return {name: row["check_status"] for name, row in haproxy_servers(state, "amqp_rabbits").items()}
 
 
 def test_a_node_of_a_secure_cluster_is_evacuated_behind_haproxy(

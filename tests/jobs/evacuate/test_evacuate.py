@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
-import io
 import json
 import os
 import random
@@ -43,6 +41,7 @@ from tests.helpers import (
     ferry_killed_when,
     fill_stream,
     finish,
+    haproxy_servers,
     judge,
     make_stream,
     snapshot_here,
@@ -70,12 +69,7 @@ def api(state: lab.LabState, method: str, path: str, **kw: Any) -> httpx.Respons
 
 def haproxy_up(state: lab.LabState, proxy: str = "nats_east") -> dict[str, bool]:
     """Per server: in rotation ("UP", or "UP 1/2" while failing towards DOWN)."""
-    text = httpx.get(state.lb["stats"] + ";csv", timeout=5).text.lstrip("# ")
-    return {
-        r["svname"]: r["status"].startswith("UP")
-        for r in csv.DictReader(io.StringIO(text))
-        if r["pxname"] == proxy and r["svname"] not in ("FRONTEND", "BACKEND")
-    }
+    return {name: row["status"].startswith("UP") for name, row in haproxy_servers(state, proxy).items()}
 
 
 def connections(state: lab.LabState, nodes: tuple[str, ...] = NODES) -> dict[str, int]:
