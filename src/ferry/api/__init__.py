@@ -14,8 +14,9 @@ The server reads every cluster's journal (NATS: the ``ferry_ops`` bucket; Rabbit
 the ``ferry-ops.*`` global parameters and the DR fail-back's record) twice a second
 (:mod:`ferry.api.watch`), so answers
 follow the journal whoever wrote it (a CLI, another ``ferry serve``), and it
-drives every journaled operation whose driver died: an evacuation started from
-the CLI is kept ``prohibiting`` here after the CLI returns.
+drives every journaled evacuation, rebalance and move whose driver died: an
+evacuation started from the CLI is kept ``prohibiting`` here after the CLI
+returns; beside every move it keeps a standby guard (:mod:`ferry.jobs.move.standby`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from ferry.api.metrics import JournalCollector, render
 from ferry.api.watch import READ_FRESH, Registry
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.jobs import evacuate as rb
+from ferry.jobs import move as mv
 from ferry.jobs.evacuate.plan import evacuation_key, rebalance_key
+from ferry.jobs.move.standby import announce, stand_by
 from ferry.topology import Topology
 
 # seconds from serve's start an availability check may wait for the first journal read: less than
@@ -55,7 +58,17 @@ __all__ = ["READ_FRESH", "Registry", "create_app"]
 
 
 def _resume(reg: Registry, cname: str, st: dict[str, Any]) -> Any:
-    """The driver that takes over an evacuation or rebalance on record whose ferry died."""
+    """The driver that takes over an evacuation, rebalance or move on record whose ferry died."""
+    if st.get("stream") and st.get("move_id"):  # a move: never stopped by serve's end (that would cancel it)
+        where = st.get("placement") or {}
+        req = mv.MoveRequest(
+            stream=st["stream"],
+            to=where.get("cluster"),
+            to_tags=list(where.get("tags") or []),
+            timeout=float(st.get("timeout") or 600.0),
+            guard=bool(st.get("guard", True)),
+        )
+        return mv.move(reg.journals[cname], req)  # type: ignore[arg-type]
     stop = asyncio.Event()
     if st.get("kind") == "evacuation":
         reg.stops[evacuation_key(cname, st["node"])] = stop
@@ -129,15 +142,20 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         reg.first_read = {n: asyncio.Event() for n in reg.journals}
         tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.journals.items()]
         tasks.append(asyncio.create_task(reg.adopt(lambda c, st: _resume(reg, c, st))))
+        tasks.append(asyncio.create_task(reg.stand_by(lambda c, st, moving: stand_by(reg.journals[c], st, moving))))
+        tasks.append(asyncio.create_task(announce()))
         tasks.append(asyncio.create_task(reg.refresh()))
         yield
         for ev in reg.stops.values():
             ev.set()  # drivers release their journals so another ferry adopts them at once
-        drivers = [t for t in reg.drivers.values() if not t.done()]
+        drivers = [t for k, t in reg.drivers.items() if not t.done() and k in reg.stops]
         if drivers:
             await asyncio.wait(drivers, timeout=5)
-        for t in tasks + drivers:
+        # moves and standby guards are cancelled: their journal stays for the next ferry to adopt
+        left = tasks + list(reg.drivers.values()) + list(reg.standbys.values())
+        for t in left:
             t.cancel()
+        await asyncio.wait(left, timeout=5)  # a guard closes its file and connection
 
     app = FastAPIOffline(  # the API docs' scripts come from the package: no CDN on an operations network
         title="ferry",

@@ -21,6 +21,7 @@ from ferry.jobs.dr_failback.plan import FAILBACK
 from ferry.jobs.evacuate.nodes import open_nodes
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER
 from ferry.jobs.evacuate.plan import EVACUATION, REBALANCE, unavailable
+from ferry.jobs.move import standby
 from ferry.jobs.move.plan import MOVE
 from ferry.jobs.partition.claims import on_record as partitions_on_record
 from ferry.jobs.replicate.control import lease_live, status_row
@@ -125,6 +126,7 @@ class Registry:
                 self.journals |= {f"{n}@{a}": c.in_account(a, n) for a in sorted(c.accounts)}
         self.states: dict[str, dict[str, dict[str, Any]]] = {}  # journal -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
+        self.standbys: dict[str, asyncio.Task[Any]] = {}  # a move's standby guard, by driver_key
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # journal -> time.monotonic() of its last read
         self.started = time.monotonic()
@@ -324,13 +326,47 @@ class Registry:
         """Drive every journaled operation whose driver is gone (`resume(cluster, state)` makes the driver)."""
         while True:
             for cname, key, st in self.orphans():
-                log.warning("adopting %s (state %s)", key, st.get("state"))
-                self.start(key, resume(cname, st))
+                name = self.driver_key(cname, key)
+                if not ((task := self.drivers.get(name)) and not task.done()):  # a move is read via each cluster
+                    log.warning("adopting %s (state %s)", key, st.get("state") or st.get("phase"))
+                    self.start(name, resume(cname, st))
             await asyncio.sleep(1.0)
 
+    def driver_key(self, journal: str, key: str) -> str:
+        """The name of an operation's driver here: a move's by its site and account (a stream's name is
+        not unique across them), an evacuation's or rebalance's by its key (which names its cluster)."""
+        return f"{self.where(journal)}:{key}" if key.startswith("move.") else key
+
+    def moves(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(journal, key, state) of each move on record that has not ended."""
+        return [
+            (cname, key, st)
+            for cname, key, kind, st in self.operations()
+            if kind == "move" and st.get("phase") not in (None, "done", "cancelled")
+        ]
+
+    async def stand_by(self, guard: Any) -> None:
+        """Keep a standby guard beside every move that runs one (`guard(journal, state, moving)`
+        makes it; :mod:`ferry.jobs.move.standby`), so a driver's death leaves no gap."""
+        while True:
+            for cname, key, st in self.moves():
+                name = self.driver_key(cname, key)
+                task = self.standbys.get(name)
+                if (task is None or task.done()) and standby.guarded(st):
+                    where, move_id = self.where(cname), st.get("move_id")
+
+                    def moving(where: str = where, key: str = key, move_id: Any = move_id) -> bool:
+                        now = next((s for c, k, s in self.moves() if self.where(c) == where and k == key), {})
+                        return now.get("move_id") == move_id and now.get("phase") in standby.MOVING
+
+                    log.info("standby guard for %s (move %s)", key, move_id)
+                    self.standbys[name] = self._task(name, guard(cname, st, moving))
+            await asyncio.sleep(0.2)
+
     def orphans(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """(cluster, key, state) of each evacuation or rebalance to adopt: no driver of ours runs
-        it, and its owner looks dead in a journal read of the last READ_FRESH seconds. A cluster's
+        """(cluster, key, state) of each evacuation, rebalance or move to adopt: no driver of ours runs
+        it, and its owner looks dead in a journal read of the last READ_FRESH seconds (a move: one
+        whose capture directory serve reaches, :func:`~ferry.jobs.move.standby.reachable`). A cluster's
         last known states age while its journal does not answer (the node being evacuated may be
         the one serve reads through): its live owners' heartbeats would look stale. An owner still
         running on this host is never adopted, however late its heartbeat (CI saw a CLI
@@ -342,19 +378,30 @@ class Registry:
             for cname, states in list(self.states.items())
             if now - self.read_at.get(cname, float("-inf")) < READ_FRESH
             for key, st in list(states.items())
-            if kind_of(key, st) in ADOPTED
+            if (
+                kind_of(key, st) in ADOPTED
+                or (
+                    kind_of(key, st) == "move"
+                    and st.get("phase") not in ("done", "cancelled")
+                    and standby.reachable(st)
+                )
+            )
             and st.get("cluster", cname) == cname  # the clusters of a NATS site share one bucket
-            and not ((task := self.drivers.get(key)) and not task.done())
+            and not ((task := self.drivers.get(self.driver_key(cname, key))) and not task.done())
             and not owner_alive(st, STALE_AFTER)
             and not running_here(st)
             and not st.get("refused")  # the broker refused its driver's user: not to go on under serve's
         ]
 
     def start(self, key: str, coro: Any) -> asyncio.Task[Any]:
+        self.drivers[key] = task = self._task(key, coro)
+        return task
+
+    @staticmethod
+    def _task(key: str, coro: Any) -> asyncio.Task[Any]:
         from ferry.errors import Conflict
 
         task = asyncio.create_task(coro)
-        self.drivers[key] = task
 
         def done(t: asyncio.Task[Any]) -> None:
             if not t.cancelled() and t.exception() and not isinstance(t.exception(), Conflict):
@@ -374,6 +421,11 @@ class Registry:
             return None
         states = {k: st for k, st in self.states[cname].items() if kind_of(k, st) in ADOPTED}
         return unavailable(states, cname, node)
+
+
+def _unfinished_move(key: str, st: dict[str, Any]) -> bool:
+    """A move on record, not ended, whose capture directory serve reaches (to adopt it)."""
+    return kind_of(key, st) == "move" and st.get("phase") not in ("done", "cancelled") and standby.reachable(st)
 
 
 def failback_total(st: dict[str, Any]) -> int:

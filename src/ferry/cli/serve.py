@@ -29,7 +29,8 @@ def serve_cmd(
     """HTTP API and operations console: availability checks for load balancers, evacuations and
     rebalances (start, stop, inspect), Prometheus metrics of every job at /metrics, a live page at /.
 
-    Keeps every journaled evacuation and rebalance driven (adopting those whose ferry died).
+    Keeps every journaled evacuation, rebalance and move driven (adopting those whose ferry died;
+    beside a move, a standby guard listens: see docs/jobs/move.md).
     OpenAPI at /openapi.json, docs at /docs (served offline). The console and /metrics need the
     bearer token unless --public-read; without --token-file and --public-read they are off.
     """

@@ -239,10 +239,15 @@ def _add_haproxy(state: LabState, pdir: Path) -> None:
         "serve": f"http://127.0.0.1:{serve_port}",
         "stats": f"http://127.0.0.1:{stats_port}/stats",
         "token_file": str(token),
+        "state_dir": str(pdir / "state"),
         "prometheus": f"http://127.0.0.1:{prom_port}",
         "clusters": lb,
     }
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "FERRY_TOPOLOGY": str(pdir / "topology.yaml")}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "FERRY_TOPOLOGY": str(pdir / "topology.yaml"),
+        "FERRY_STATE_DIR": str(pdir / "state"),  # it adopts the moves of ferries with this state directory
+    }
     serve = [sys.executable, "-m", "ferry", "serve", "--port", str(serve_port)]
     state.procs += [
         Proc(

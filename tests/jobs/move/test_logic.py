@@ -49,6 +49,26 @@ def test_captures_are_read_in_the_order_heard_across_files_and_a_torn_tail_is_dr
     assert got["payload"].to_pylist() == [str(r).encode() for r in range(1, 11)]
 
 
+def test_a_standby_guards_rows_count_only_beyond_what_the_drivers_heard(tmp_path: Path) -> None:
+    """The driver heard a, b (killed), its rerun d; serve's standby heard b, c, c, d, e at the same
+    time: each message as often as the guard that heard it most (c twice: two identical publishes)."""
+
+    def write(name: str, heard: list[tuple[int, str]]) -> None:
+        t = captured([("s", None, p.encode()) for _, p in heard])
+        t = t.set_column(0, "recv_ns", pa.array([r for r, _ in heard], pa.int64()))
+        with pa.ipc.new_stream(tmp_path / name, CAPTURE_SCHEMA) as w:
+            w.write_table(t)
+
+    write("capture-9-1.arrow", [(1, "a"), (2, "b")])
+    write("capture-10-5.arrow", [(7, "d")])
+    write("standby-ip-10-0-0-1-77-1.arrow", [(2, "b"), (3, "c"), (4, "c"), (7, "d"), (8, "e")])
+    got = read_captures(tmp_path)
+    assert got["payload"].to_pylist() == [b"a", b"b", b"c", b"c", b"d", b"e"]
+    assert got["recv_ns"].to_pylist() == sorted(got["recv_ns"].to_pylist())
+    write("standby-other-78-2.arrow", [(3, "c"), (9, "f")])  # a second serve: c once, f new
+    assert read_captures(tmp_path)["payload"].to_pylist() == [b"a", b"b", b"c", b"c", b"d", b"e", b"f"]
+
+
 def test_identity_uses_msg_id_else_content_and_ignores_the_reinjection_mark() -> None:
     assert identity("a", {"Nats-Msg-Id": "x"}, b"1") == identity("b", {"Nats-Msg-Id": "x"}, b"2") == "id:x"
     plain = identity("a", {"k": "v"}, b"1")
@@ -272,6 +292,8 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
             "origin_servers": ["east-1", "east-2", "east-3"],
             "placement": placement,
             "account": "APP",
+            "started": time.time(),
+            "capture_dir": "/nonexistent",
         },
         save_soon=lambda **_: None,
     )

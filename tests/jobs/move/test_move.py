@@ -34,6 +34,8 @@ from tests.helpers import (
     killed_at_event,
     make_stream,
     start_load,
+    started_json,
+    wait_event,
     wait_for,
 )
 
@@ -530,6 +532,67 @@ def test_a_move_killed_as_its_guard_starts_is_resumed_and_leaves_no_capture(
     assert code == 0 and result["outcome"] == "moved" and result["verify"]["ok"], result
     assert any(e["event"] == "resume" for e in events), events
     assert not list((tmp_path / "state" / "moves").iterdir())
+
+
+def test_a_killed_move_is_adopted_by_serve_whose_standby_guard_heard_the_gap(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ferry serve` keeps a standby guard beside a move; its driver SIGKILLed, serve adopts the move
+    and reconciles what both guards heard: no core message published between the kill and the
+    adoption is lost. A rerun meanwhile follows serve's run to its end."""
+    state = tmp_path / "state"
+    monkeypatch.setenv("FERRY_STATE_DIR", str(state))
+    topology = topology_of(supercluster)
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "MOVE_S", ["move_s.>"], placement="east"))
+    fill_big(topo, "MOVE_S")
+    (port,) = free_ports(1)
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        serve = subprocess.Popen([*FERRY, "serve", "--port", str(port)], env=env, stderr=f)
+    load = None
+    try:
+        wait_for(lambda: list((state / "serve").glob("*.json")), 60, "ferry serve to announce itself")
+        load = start_load(topology, "nats://west", "move_s.core.{n}", tmp_path / "ledger", 12, "--no-msg-id")
+        time.sleep(2)
+        proc = started_json("move", "MOVE_S", "--to", "west", topology=topology)
+        try:
+            events = wait_event(proc, "standby")  # the driver saw serve's standby guard write
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        (plan,) = [e for e in events if e["event"] == "plan"]
+        assert plan["standby"] == [f"ferry serve pid {serve.pid} on {os.uname().nodename}"], plan
+
+        def adopted() -> dict[str, Any] | None:
+            r = ferry("move", "--status", "MOVE_S", "--json", topology=topology)
+            record = json.loads(r.stdout)
+            return record if (record.get("owner") or {}).get("pid") == serve.pid else None
+
+        wait_for(adopted, 30, "ferry serve to adopt the move")
+        code, followed, events = move(topology, "MOVE_S", "--to", "west")
+        finish(load)
+        load = None
+    finally:
+        if load:
+            load.kill()
+        serve.terminate()
+        serve.wait(timeout=30)
+    said = log.read_text()
+    assert code == 0 and "adopting move.MOVE_S" in said, said[-3000:]
+    record = json.loads(ferry("move", "--status", "MOVE_S", "--json", topology=topology).stdout)
+    result = record["result"]
+    assert record["phase"] == "done" and result["outcome"] == "moved" and result["verify"]["ok"], record
+    assert result["unguarded_s"] == 0.0 and result["standby"], result  # the standby listened in the gap
+    assert result["leader_changes"], result  # the killed run's too: journaled as they came
+    # the rerun followed serve's run to its end, or (serve quicker) found the stream moved
+    follows = any(e["event"] == "follow" for e in events)
+    assert (follows and followed == result) or followed["outcome"] == "already there", (events, followed)
+    assert not list((state / "moves").iterdir()) and not list((state / "serve").iterdir())  # nothing left
+    tier = "jetstream://west/MOVE_S?subject=move_s.core.>"
+    t = judge(spark, topology, tmp_path / "ledger", tier, tmp_path / "a.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 6, t
 
 
 OLD_NATS = "/usr/sbin/nats-server"  # Debian's 2.9.10: it keeps a consumer past a reset stream (2.15 reconciles it)

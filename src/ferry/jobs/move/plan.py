@@ -167,6 +167,7 @@ class MovePlan(Model):
     dest_servers: list[str] = []
     origin_servers: list[str] = []
     servers: dict[str, dict[str, str]] = {}  # name -> cluster and client URL, for the guard's probes
+    standby: list[str] = []  # the live `ferry serve`s that keep a standby guard and adopt the move if its ferry dies
 
 
 async def preflight(nc: Client, sysnc: Client, req: MoveRequest, resuming: bool = False) -> MovePlan:

@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field
 
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.jsapi import account_name, api, paged, peers, stream_info
-from ferry.errors import BrokerUnavailable, Conflict, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
+from ferry.errors import BrokerUnavailable, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.jobs.move.plan import (
     HANDOFF_STEADY_S,
     MOVE,
@@ -34,9 +34,10 @@ from ferry.jobs.move.plan import (
     same_placement,
     still_ready,
 )
+from ferry.jobs.move.standby import standby_ferries
 from ferry.jobs.move.verify import snapshot, verify
 from ferry.jobs.shared.events import Emit, no_emit
-from ferry.jobs.shared.guard import Guard, reconcile, state_root
+from ferry.jobs.shared.guard import STANDBY, Guard, reconcile, state_root
 from ferry.jobs.shared.models import Model
 from ferry.journal import BUCKET, KvJournal, owner_alive
 from ferry.topology import NatsCluster
@@ -61,6 +62,7 @@ class MoveResult(Model):
     origin: str | None = Field(None, alias="from")
     to: str | None = None
     unguarded_s: float | None = None  # a resumed move: how long no guard listened before it
+    standby: bool | None = None  # a standby guard (ferry serve's) listened beside this run's
     # the watch
     leader_changes: list[dict[str, Any]] = []
     handoff: dict[str, Any] | None = None
@@ -134,15 +136,23 @@ async def move(
         except (NatsTimeout, TimeoutError):
             raise BrokerUnavailable(f"the journal bucket {BUCKET} did not answer; JetStream unavailable?") from None
         resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))
-        if resuming and journal.owner_alive(prior or {}):
-            o = (prior or {}).get("owner", {})
-            raise Conflict(
-                f"a move of {req.stream!r} is already running (pid {o.get('pid')} on {o.get('host')}, "
-                f"phase {prior.get('phase')})"  # type: ignore[union-attr]
-            )
+        if resuming and journal.owner_alive(prior or {}) and not req.dry_run:
+            # driven by a live ferry (`ferry serve`, which adopted it, or another run): followed to its end
+            followed = await _follow(journal, prior or {}, emit, stop)
+            if followed is not None:
+                return followed
+            prior = await journal.open()  # its driver died while followed: this run goes on with it
+            resuming = bool(prior and prior.get("phase") not in (None, "done", "cancelled"))
         plan = await preflight(nc, sysnc, req, resuming=resuming)
         if resuming and prior and prior.get("from"):  # the move's origin, not where its group is by now
             plan.origin, plan.nothing_to_do = prior["from"], False
+        if req.guard and not plan.nothing_to_do:
+            plan.standby = [f"ferry serve pid {o['pid']} on {o['host']}" for o in standby_ferries(req.state_dir)]
+            if not plan.standby:
+                plan.warnings.append(
+                    "no ferry serve keeps a standby guard (none runs with this state directory): if this "
+                    "ferry dies, core publishes until the move runs again are not captured"
+                )
         emit("plan", **plan.doc())
         if req.dry_run or (plan.nothing_to_do and not resuming):
             return MoveResult(stream=req.stream, outcome="dry-run" if req.dry_run else "already there", plan=plan)
@@ -168,10 +178,14 @@ async def move(
                 "seq0": pre["last_seq"],
                 "pre": pre,
                 "capture_dir": str(capture_dir),
+                "state_dir": str(state_root(req.state_dir)),  # a `ferry serve` with the same one adopts
                 "started": time.time(),
+                "timeout": req.timeout,
+                "guard": req.guard,
             }
         st = journal.state
         info = await stream_info(nc, req.stream)
+        st["subjects"] = info["config"].get("subjects") or []  # what a standby guard listens to
         # journaled before the guard writes its first capture (a run killed in between leaves a record
         # whose rerun reconciles the capture and removes it); a resume claims the journal here, before
         # it acts (compare-and-set: of two reruns at once, one stops)
@@ -197,8 +211,12 @@ async def move(
             )
         result: dict[str, Any] = {"move_id": st["move_id"], "from": st["from"], "to": st["to"]}
         if resuming and guard and prior and prior.get("heartbeat"):
-            # the run before listened until about its last heartbeat; this one from now on
-            result["unguarded_s"] = gap = round(max(0.0, time.time() - float(prior["heartbeat"])), 1)
+            # the run before listened until about its last heartbeat; this one from now on; a standby
+            # guard that wrote after that heartbeat listened in between
+            died = float(prior["heartbeat"])
+            heard = any(f.stat().st_mtime > died for f in capture_dir.glob(f"{STANDBY}-*.arrow"))
+            result["unguarded_s"] = 0.0 if heard else round(max(0.0, time.time() - died), 1)
+        if gap := result.get("unguarded_s"):
             emit(
                 "unguarded",
                 seconds=gap,
@@ -247,6 +265,24 @@ async def move(
         return moved
 
 
+async def _follow(
+    journal: KvJournal, prior: dict[str, Any], emit: Emit, stop: asyncio.Event | None
+) -> MoveResult | None:
+    """Wait for the move's live driver to end it; its result, or None once that driver is dead."""
+    o, st = prior.get("owner") or {}, prior
+    emit("follow", driven_by=f"ferry pid {o.get('pid')} on {o.get('host')}", phase=prior.get("phase"))
+    while st.get("phase") not in ("done", "cancelled"):
+        if not journal.owner_alive(st):
+            return None
+        if stop is not None and stop.is_set():
+            return MoveResult(stream=prior["stream"], outcome="not started", error="interrupted while following")
+        await asyncio.sleep(0.5)
+        st = await journal.open(create=False) or {}
+        if not st:
+            raise NotFound(f"the move of {prior['stream']!r} left the journal while followed (stopped?)")
+    return MoveResult.model_validate(st["result"])
+
+
 async def _put_back(journal: KvJournal, prior: dict[str, Any] | None) -> None:
     """The record as it was before a move that changed nothing (an earlier move's result, or none)."""
     if prior is None:
@@ -269,8 +305,10 @@ async def _watch(
     st = journal.state
     dest, origin = set(st["dest_servers"]), set(st["origin_servers"])
     deadline = t0 + req.timeout
-    leader = None
-    changes: list[dict[str, Any]] = []
+    began = time.monotonic() - (time.time() - st["started"])  # the move's start: times are from there
+    leader = st.get("leader")  # the last one a run saw: a change while no ferry watched is seen too
+    changes: list[dict[str, Any]] = st.setdefault("leader_changes", [])  # journaled: a rerun goes on with them
+    standby = False
     leaderless = unanswered = 0.0
     asked = st.get("cancel")  # a cancel a run before this one asked for (Ctrl-C, timeout)
     last_poll = time.monotonic()
@@ -296,9 +334,9 @@ async def _watch(
             leaderless += dt
         if new_leader and new_leader != leader:
             if leader is not None:
-                changes.append({"at_s": round(now - t0, 3), "from": leader, "to": new_leader})
-                emit("leader", at_s=round(now - t0, 3), leader=new_leader, previous=leader)
-            leader = new_leader
+                changes.append({"at_s": round(now - began, 3), "from": leader, "to": new_leader})
+                emit("leader", at_s=round(now - began, 3), leader=new_leader, previous=leader)
+            leader = st["leader"] = new_leader
         if info:
             placement = info["config"].get("placement") or {}
             if cancelled_at is None and not same_placement(placement, st["placement"]):
@@ -321,7 +359,7 @@ async def _watch(
             elif not await still_ready(nc, req.stream, dest, ready):
                 ready_since = None  # behind again at the last look: steady once more first
             else:
-                handoff = {"at_s": round(now - t0, 3), "from": new_leader, "to": ready}
+                handoff = {"at_s": round(now - began, 3), "from": new_leader, "to": ready}
                 try:
                     await api(nc, f"$JS.API.STREAM.LEADER.STEPDOWN.{req.stream}", {"placement": {"preferred": ready}})
                 except (FerryError, NatsTimeout, TimeoutError) as exc:  # e.g. the server moved it itself just now
@@ -331,7 +369,7 @@ async def _watch(
                 last_emit = now
                 emit(
                     "progress",
-                    at_s=round(now - t0, 2),
+                    at_s=round(now - began, 2),
                     leader=new_leader,
                     peers=peers(info),
                     last_seq=info["state"]["last_seq"],
@@ -368,13 +406,17 @@ async def _watch(
         if now - last_beat >= 1.0:
             last_beat = now
             journal.save_soon()
+            if not standby and any(Path(st["capture_dir"]).glob(f"{STANDBY}-*.arrow")):
+                standby = True
+                emit("standby", note="a standby guard (ferry serve) listens too: a kill of this ferry leaves no gap")
         await asyncio.sleep(0.05)
     return outcome, {
         "leader_changes": changes,
         "handoff": handoff,
         "leaderless_s": round(leaderless, 3),
         "unanswered_s": round(unanswered, 3),
-        "moved_in_s": round(now - t0, 3),
+        "moved_in_s": round(now - began, 3),
+        "standby": standby,
     }
 
 

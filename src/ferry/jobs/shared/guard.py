@@ -243,24 +243,57 @@ class Guard:
             self._writer = None
 
 
+STANDBY = "standby"  # the first word of a standby guard's capture file
+
+
 def read_captures(directory: Path) -> pa.Table:
-    """Every capture file of a move (several when it was resumed), a killed writer's tail dropped."""
+    """Every capture file of an operation, a killed writer's tail dropped, in the order heard.
+
+    The files of its drivers (``capture-*``: one per run, one after the other) add up. A standby
+    guard (``standby-<host>-<pid>-*``, ``ferry serve``'s, :mod:`ferry.jobs.move.standby`) listened at
+    the same time as they did: its rows count only beyond what the drivers heard, identity by
+    identity (each identity as often as the guard that heard it most often)."""
+    lineages: dict[str, list[pa.RecordBatch]] = {}
+    for f in sorted(directory.glob("*.arrow")):
+        # standby-<host>-<pid>-<time>.arrow: one lineage per standby process
+        lineage = f.name.rsplit("-", 1)[0] if f.name.startswith(STANDBY + "-") else "capture"
+        lineages.setdefault(lineage, []).extend(_batches(f))
+    tables = [_in_order(pa.Table.from_batches(b, schema=CAPTURE_SCHEMA)) for _, b in sorted(lineages.items())]
+    if len(tables) < 2:
+        return tables[0] if tables else CAPTURE_SCHEMA.empty_table()
+    heard: Counter[str] = Counter(tables[0].column("identity").to_pylist())
+    kept = [tables[0]]
+    for table in tables[1:]:
+        seen: Counter[str] = Counter()
+        rows = []
+        for row, ident in enumerate(table.column("identity").to_pylist()):
+            seen[ident] += 1
+            if seen[ident] > heard[ident]:
+                rows.append(row)
+        heard |= seen  # the larger count of each
+        kept.append(table.take(pa.array(rows, pa.int64())))
+    return _in_order(pa.concat_tables(kept))
+
+
+def _batches(f: Path) -> list[pa.RecordBatch]:
     batches = []
-    for f in sorted(directory.glob("capture-*.arrow")):
-        with contextlib.suppress(pa.ArrowInvalid, OSError):
-            reader = pa.ipc.open_stream(pa.memory_map(str(f)))
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except (StopIteration, pa.ArrowInvalid, OSError):
-                    break
-                if "identity" not in batch.schema.names:  # written by an older ferry (a move resumed after an upgrade)
-                    d = batch.to_pydict()
-                    rows = zip(d["subject"], d["headers"], d["payload"], strict=True)
-                    ids = [identity(s, dict(h) if h else None, p) for s, h, p in rows]
-                    batch = batch.append_column("identity", pa.array(ids, pa.string()))
-                batches.append(batch)
-    table = pa.Table.from_batches(batches, schema=CAPTURE_SCHEMA)
+    with contextlib.suppress(pa.ArrowInvalid, OSError):
+        reader = pa.ipc.open_stream(pa.memory_map(str(f)))
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except (StopIteration, pa.ArrowInvalid, OSError):
+                break
+            if "identity" not in batch.schema.names:  # written by an older ferry (a move resumed after an upgrade)
+                d = batch.to_pydict()
+                rows = zip(d["subject"], d["headers"], d["payload"], strict=True)
+                ids = [identity(s, dict(h) if h else None, p) for s, h, p in rows]
+                batch = batch.append_column("identity", pa.array(ids, pa.string()))
+            batches.append(batch)
+    return batches
+
+
+def _in_order(table: pa.Table) -> pa.Table:
     recv = table.column("recv_ns")
     if len(recv) > 1 and not pc.all(pc.less_equal(recv[:-1], recv[1:])).as_py():
         table = table.sort_by("recv_ns")  # several files, or the clock stepped back: a copy of every payload
@@ -271,12 +304,15 @@ class Stored:
     """Reads back what a stream stored, range after range, on one consumer: a range that starts
     where the last one ended goes on with it, so reading the tail after the head sets up nothing."""
 
-    def __init__(self, cluster: NatsCluster, stream: str) -> None:
+    def __init__(self, cluster: NatsCluster, stream: str, operation: str = "") -> None:
         from ferry.brokers.nats.reader import ReadConfig
 
         self.cfg = ReadConfig(cluster=cluster.model_dump_json(), name="move", streams=(stream,))
         self.stream = stream
         self._reader: Any = None
+        # the messages read that `operation` re-published already (a run of it killed after that)
+        self.operation = operation
+        self.reinjected = 0
 
     async def since(self, seq0: int, last: int) -> list[tuple[str, int]]:
         """(identity, store time ns) of every message with seq0 < seq <= last."""
@@ -286,8 +322,15 @@ class Stored:
             return []
         self._reader = self._reader or await Reader.open(self.cfg, self.stream)
         lists = read_ahead(self._reader.lists(Range(self.stream, seq0 + 1, last, fetch=2000), keep=True))
+        out = []
         async with contextlib.aclosing(lists):
-            return [(identity_of(m), ts_ns) async for got in lists for m, _, ts_ns in got]
+            async for got in lists:
+                for m, _, ts_ns in got:
+                    out.append((identity_of(m), ts_ns))
+                    raw = m.raw
+                    if raw is not None and b"Ferry-Reinjected" in raw and self.operation:
+                        self.reinjected += header_value(raw, REINJECTED.encode()) == self.operation
+        return out
 
     async def __aenter__(self) -> Stored:
         return self
@@ -361,7 +404,7 @@ async def reconcile(
     stop_ns = time.time_ns()
     # what the stream holds now is read back while the captures are read and it settles, the rest after
     held = max(st["seq0"], (await stream_info(nc, stream))["state"]["last_seq"])
-    async with Stored(cluster, stream) as reader:
+    async with Stored(cluster, stream, st["move_id"]) as reader:
         head = asyncio.ensure_future(reader.since(st["seq0"], held))
         try:
             captured = await asyncio.to_thread(read_captures, capture_dir)
@@ -385,10 +428,11 @@ async def reconcile(
         if stats.failed:
             raise FerryError(f"re-publishing {len(rows)} missed messages: {stats.failed} failed ({stats.errors[:1]})")
         reinjected, already = stats.stored, stats.duplicates
+    before = reader.reinjected  # re-published by a run of the operation killed since
     out = {
         "captured": captured.num_rows,
-        "missed": len(rows),
-        "reinjected": reinjected,
+        "missed": len(rows) + before,
+        "reinjected": reinjected + before,
         "already_stored": already,  # a producer's own retry got there first (same Nats-Msg-Id)
         "unavailable_s": round(window, 4),
     }
