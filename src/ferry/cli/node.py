@@ -38,6 +38,10 @@ WaitHealthOpt = Annotated[
 ConnRateOpt = Annotated[int, typer.Option(min=1, help="Connections closed per second (per node).")]
 WaitTakeoverOpt = Annotated[float, typer.Option(min=0, help="Seconds for clients to reconnect before moving sessions.")]
 SessRateOpt = Annotated[int, typer.Option(min=1, help="Leaders and replicas moved per second (per node).")]
+GuardOpt = Annotated[
+    bool,
+    typer.Option(help="NATS: capture each stream's subjects while its leader steps down; re-publish what it missed."),
+]
 
 
 class _Ticker:
@@ -68,6 +72,7 @@ def node_evacuate(
     conn_evict_rate: ConnRateOpt = 500,
     wait_takeover: WaitTakeoverOpt = 60.0,
     sess_evict_rate: SessRateOpt = 500,
+    guard: GuardOpt = True,
     migrate_to: Annotated[str | None, typer.Option(help="Nodes to move leaders to (comma list).")] = None,
     redirect_to: Annotated[str | None, typer.Option(help="MQTT 5 redirection targets (not offered by NATS).")] = None,
     relocate_rate: Annotated[
@@ -95,6 +100,7 @@ def node_evacuate(
         conn_evict_rate=conn_evict_rate,
         wait_takeover=wait_takeover,
         sess_evict_rate=sess_evict_rate,
+        guard=guard,
         migrate_to=name_list(migrate_to),
         redirect_to=name_list(redirect_to),
         relocate_rate=relocate_rate,
@@ -220,6 +226,7 @@ def cluster_rebalance(
     conn_evict_rate: ConnRateOpt = 500,
     wait_takeover: WaitTakeoverOpt = 60.0,
     sess_evict_rate: SessRateOpt = 500,
+    guard: GuardOpt = True,
     execute: Annotated[
         bool, typer.Option("--execute", help="Carry the proposal out (default: only print it).")
     ] = False,
@@ -242,6 +249,7 @@ def cluster_rebalance(
         conn_evict_rate=conn_evict_rate,
         wait_takeover=wait_takeover,
         sess_evict_rate=sess_evict_rate,
+        guard=guard,
         execute=execute,
     )
     r = run(rebalance(open_topology(topology), req, EventMetrics("rebalance", metrics_port).wrap(_Ticker(as_json))))

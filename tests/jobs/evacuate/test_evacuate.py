@@ -36,6 +36,7 @@ from ferry.topology import Topology
 from tests.conftest import profile_topology
 from tests.helpers import (
     FERRY,
+    RATE,
     as_rabbit_user,
     ferry,
     ferry_killed_when,
@@ -45,6 +46,7 @@ from tests.helpers import (
     judge,
     make_stream,
     snapshot_here,
+    start_load,
     stream_leader,
     wait_for,
 )
@@ -1186,6 +1188,38 @@ def test_evacuation_moves_one_replica_streams_and_replicas_with_their_messages(
                         await _js(nc, f"$JS.API.STREAM.DELETE.{name}")
 
         asyncio.run(drop())
+
+
+def test_core_publishes_in_an_evacuations_step_downs_are_guarded(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The streams the evacuated node leads change leader under core (fire-and-forget) load: a
+    capture guard hears each election and re-publishes what the stream missed, so the audit finds
+    every message the producers sent (issue 49: 21-24 were lost without it)."""
+    monkeypatch.setenv("FERRY_STATE_DIR", str(tmp_path / "state"))
+    topology = supercluster.path / "topology.yaml"
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "EVAC_G", ["evac_g.>"], placement="east"))
+    node = asyncio.run(stream_leader(topo, "east", "EVAC_G"))
+    other = next(b.url for b in topo.nats("east").brokers if b.name != node)  # the load stays connected
+    load = start_load(topology, "nats://east", "evac_g.{n}", tmp_path / "ledger", 8, "--no-msg-id", "--url", other)
+    try:
+        time.sleep(2)
+        args = ["node", "evacuate", node, "--wait-health-check", "0", "--wait-takeover", "0", "--json"]
+        r = ferry(*args, topology=topology)
+        finish(load)
+        assert r.returncode == 0, r.stderr[-2000:]
+        result = json.loads(r.stdout)
+        assert asyncio.run(stream_leader(topo, "east", "EVAC_G")) != node
+        heard = [e for e in events(r.stderr) if e["event"] == "guard" and e.get("stream", "").endswith("/EVAC_G")]
+        assert len(heard) == 1 and heard[0]["captured"] > 0, heard  # it listened through the election
+        assert heard[0]["reinjected"] + heard[0]["already_stored"] == heard[0]["missed"], heard
+        assert result["guarded"]["captured"] >= heard[0]["captured"], result
+        assert not list((tmp_path / "state" / "step-downs").glob("*/*")), "captures left"
+    finally:
+        ferry("node", "stop", node, topology=topology)
+    a = judge(spark, topology, tmp_path / "ledger", "jetstream://east/EVAC_G", tmp_path / "audit.html")
+    assert a["sent"] > RATE * 4 and a["lost"] == 0 and a["extra_copies"] == 0, a
 
 
 async def _consumer_info(topo: Any, stream: str, name: str) -> dict[str, Any]:

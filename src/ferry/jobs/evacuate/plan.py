@@ -136,6 +136,7 @@ class Rates(BaseModel):
     conn_evict_rate: int = Field(500, gt=0)
     wait_takeover: float = Field(60.0, ge=0)
     sess_evict_rate: int = Field(500, gt=0)
+    guard: bool = True  # NATS: a capture guard hears each stream stepped down (core publishes in the election)
 
 
 class EvacuateRequest(Rates):

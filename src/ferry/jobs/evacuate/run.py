@@ -71,6 +71,9 @@ async def _claim(nodes: Nodes, key: str, what: str, hint: str = "") -> tuple[Jou
     return journal, prior
 
 
+RATES = {"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate", "guard"}  # journaled
+
+
 # -- the state machine shared by both operations ------------------------------------------------------
 
 
@@ -123,6 +126,14 @@ class _Driver:
                 await self.journal.save(release=True)
             return None, {**public(self.st), "outcome": "detached"}
         return result, None
+
+    def _heard(self, event: str, **data: Any) -> None:
+        """A step-down guard's reconciliation: said, and its re-published messages counted on record."""
+        if event == "guard":
+            guarded = self.st.setdefault("guarded", {"captured": 0, "reinjected": 0})
+            guarded["captured"] += data["captured"]
+            guarded["reinjected"] += data["reinjected"]
+        self.emit(event, **data)
 
     def recent(self, key: str) -> bool:
         """Acted on within RETRY_AFTER seconds."""
@@ -182,7 +193,8 @@ class _Driver:
         for a in todo[:n]:
             options = [p for p in a.peers if p in targets and p != view.name]
             moves.append((a, least_loaded(options, load) if options else None))
-        errors = await self.nodes.step_down_many(moves)
+        guard = bool(self.st["rates"].get("guard", True))
+        errors = await self.while_saving(self.nodes.step_down_many(moves, guard, self._heard))
         for (a, _), err in zip(moves, errors, strict=True):
             if err:
                 self.emit("warning", message=f"{a.label}: step-down refused: {err}")
@@ -219,6 +231,7 @@ async def evacuate(
             return {**public(prior), "outcome": why}
         if prior:
             emit("resume", state=prior["state"], rates=prior["rates"])
+            await nodes.recover(emit)
         elif resume_only:
             return {"outcome": "nothing to resume"}
         else:
@@ -253,9 +266,7 @@ async def _evacuation_plan(nodes: Nodes, journal: Journal, cname: str, req: Evac
     return {
         "cluster": cname,
         "node": req.node,
-        "rates": req.model_dump(
-            include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate", "relocate_rate"}
-        ),
+        "rates": req.model_dump(include={*RATES, "relocate_rate"}),
         "migrate_to": req.migrate_to,
         "recipients": recipients,
         "initial": v.summary(),
@@ -464,6 +475,7 @@ async def rebalance(
             return {**public(prior), "outcome": why}
         if prior:
             emit("resume", state=prior["state"])
+            await nodes.recover(emit)
         elif resume_only:
             return {"outcome": "nothing to resume"}
         else:
@@ -522,7 +534,7 @@ async def _rebalance_plan(nodes: Nodes, journal: Journal, req: RebalanceRequest,
         "recipients": recipients,
         "session_donors": sess_donors,
         "session_recipients": sess_recipients,
-        "rates": req.model_dump(include={"wait_health_check", "conn_evict_rate", "wait_takeover", "sess_evict_rate"}),
+        "rates": req.model_dump(include=RATES),
         "thresholds": req.model_dump(
             include={"abs_conn_threshold", "rel_conn_threshold", "abs_sess_threshold", "rel_sess_threshold"}
         ),

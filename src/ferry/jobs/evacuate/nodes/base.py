@@ -9,6 +9,7 @@ from typing import Any
 
 from ferry.brokers.rabbitmq import queue_path
 from ferry.errors import NotFound
+from ferry.jobs.shared.events import Emit, no_emit
 from ferry.topology import NatsCluster, RabbitCluster
 
 RELOCATE_PREFIX = "ferry.relocate."  # the holding queue of a classic queue being relocated
@@ -69,6 +70,14 @@ class Nodes:
 
     async def view(self, node: str, jetstream: bool = True) -> NodeView:
         raise NotImplementedError
+
+    async def step_down_many(
+        self, moves: list[tuple[Asset, str | None]], guard: bool = False, emit: Emit = no_emit
+    ) -> list[str]:
+        raise NotImplementedError
+
+    async def recover(self, emit: Emit) -> None:
+        """Finish what a killed ferry left on this host (NATS: step-down captures); nothing by default."""
 
     def reach_order(self) -> list[Any]:
         """The brokers to connect through: the nodes being emptied last, so ferry's own connections avoid them."""

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import httpx
 from nats.aio.client import Client
@@ -13,10 +18,15 @@ from nats.aio.client import Client
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats import auth as bnats_auth
 from ferry.brokers.nats.jsapi import api as js_api
-from ferry.errors import BrokerUnavailable, FerryError
+from ferry.brokers.nats.jsapi import stream_info
+from ferry.errors import AuthError, BrokerUnavailable, FerryError
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER, Asset, Nodes, NodeView
-from ferry.journal import KvJournal
+from ferry.jobs.shared.events import Emit, no_emit
+from ferry.jobs.shared.guard import Guard, reconcile, state_root
+from ferry.journal import KvJournal, process_start
 from ferry.topology import NatsCluster
+
+SEQ0 = "seq0"  # the file beside a step-down's capture: the stream's last sequence before its guard listened
 
 
 class NatsNodes(Nodes):
@@ -34,6 +44,7 @@ class NatsNodes(Nodes):
         # ferry's connection in each account of the topology, by the account's id and by its name (jsz
         # names assets' accounts by name: in operator mode the JWT's, its id is the public key)
         self.by_account: dict[str, Client] = {}
+        self.in_account: dict[str, NatsCluster] = {}  # the topology's cluster as ferry's user in each account
         self.account_id: dict[str, str] = {}  # account name -> id, for the monitoring endpoints' queries
 
     def _tls(self, url: str | None) -> Any:
@@ -47,18 +58,18 @@ class NatsNodes(Nodes):
             self.sysnc = await bnats.connect(
                 self.cluster, system=True, client_name=f"{CONTROL}-{self.name}-sys", **opts
             )
-            await self._in_account(self.nc)
+            await self._in_account(self.nc, self.cluster)
             for account in self.cluster.accounts:  # their leaders move too, asked in their own account
                 cluster = self.cluster.in_account(account, self.name)
                 await self._in_account(
-                    await bnats.connect(cluster, client_name=f"{CONTROL}-{self.name}-{account}", **opts)
+                    await bnats.connect(cluster, client_name=f"{CONTROL}-{self.name}-{account}", **opts), cluster
                 )
         except BaseException:
             await self.__aexit__()
             raise
         return self
 
-    async def _in_account(self, nc: Client) -> None:
+    async def _in_account(self, nc: Client, cluster: NatsCluster) -> None:
         """Keep `nc` as ferry's connection in the account the server says it is in."""
         try:
             info = await bnats.sys_request(nc, "$SYS.REQ.USER.INFO", timeout=5)
@@ -69,6 +80,7 @@ class NatsNodes(Nodes):
         account = data.get("account") or ""
         name = data.get("account_name") or account
         self.by_account[account] = self.by_account[name] = nc
+        self.in_account[account] = self.in_account[name] = cluster
         self.account_id[name] = account
 
     async def __aexit__(self, *exc: object) -> None:
@@ -134,15 +146,92 @@ class NatsNodes(Nodes):
     def movable(self, a: Asset) -> bool:
         return a.account in self.by_account and len(a.peers) > 1
 
-    async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
-        """Each leader steps down towards its preferred peer, else wherever its group chooses; '' or the error."""
-        errors = []
-        for a, preferred in moves:
-            err = await self.step_down(a, preferred)
-            if err and preferred:  # the preferred peer may be behind: let the group choose
-                err = await self.step_down(a, None)
-            errors.append(err)
+    async def step_down_many(
+        self, moves: list[tuple[Asset, str | None]], guard: bool = False, emit: Emit = no_emit
+    ) -> list[str]:
+        """Each leader steps down towards its preferred peer, else wherever its group chooses; '' or
+        the error. With `guard`, a capture guard hears each stream's subjects meanwhile, until the
+        stream is led again, and what it missed is re-published (:mod:`ferry.jobs.shared.guard`):
+        core publishes in the election are not lost."""
+        streams = [a for a, _ in moves if a.consumer is None] if guard else []
+        async with self._guarded(streams, emit):
+            errors = []
+            for a, preferred in moves:
+                err = await self.step_down(a, preferred)
+                if err and preferred:  # the preferred peer may be behind: let the group choose
+                    err = await self.step_down(a, None)
+                errors.append(err)
+            stepped = [a for (a, _), err in zip(moves, errors, strict=True) if not err and a in streams]
+            await asyncio.gather(*(self._led(a) for a in stepped))
         return errors
+
+    @contextlib.asynccontextmanager
+    async def _guarded(self, streams: list[Asset], emit: Emit) -> AsyncIterator[None]:
+        """A guard on each stream's subjects while the block runs, then the reconciliation. The
+        captures live in the state directory (``step-downs/<cluster>/<pid>-<start>/``) with the
+        sequence each began at: a ferry killed meanwhile leaves them to the next one
+        (:meth:`recover`)."""
+        if not streams:
+            yield
+            return
+        root = state_root() / "step-downs" / self.name / f"{os.getpid()}-{process_start(os.getpid())}-{uuid4().hex[:6]}"
+        guards: list[tuple[Asset, Guard]] = []
+
+        async def start(a: Asset) -> None:
+            info = await stream_info(self.by_account[a.account], a.stream)
+            if not info["config"].get("subjects"):
+                return  # a mirror or a sourced stream: no publisher writes to it
+            where = root / a.account / a.stream
+            where.mkdir(parents=True, mode=0o700)
+            (where / SEQ0).write_text(str(info["state"]["last_seq"]))  # before the guard: nothing heard is older
+            g = Guard(self.in_account[a.account], info["config"]["subjects"], where / f"capture-{os.getpid()}.arrow")
+            try:
+                await g.start(led_in=(info.get("cluster") or {}).get("name", ""))
+            except AuthError as exc:  # ferry may not subscribe there: no guard, said
+                shutil.rmtree(where, ignore_errors=True)
+                emit("warning", message=f"{a.label}: not guarded: {exc}")
+                return
+            guards.append((a, g))
+
+        try:
+            await asyncio.gather(*(start(a) for a in streams))
+            yield
+        finally:
+            await asyncio.gather(*(g.stop() for _, g in guards))
+        await self._reconcile(root, emit)
+
+    async def _led(self, a: Asset, within: float = 15.0) -> None:
+        """Until the stream answers with a leader other than the one that stepped down, or with that
+        one after 2 s (elected again), `within` s at most."""
+        clock = asyncio.get_running_loop().time
+        start = clock()
+        while clock() < start + within:
+            with contextlib.suppress(FerryError, TimeoutError):
+                info = await stream_info(self.by_account[a.account], a.stream, timeout=1.0)
+                leader = (info.get("cluster") or {}).get("leader")
+                if leader and (leader != a.leader or clock() > start + 2.0):
+                    return
+            await asyncio.sleep(0.1)
+
+    async def _reconcile(self, root: Path, emit: Emit) -> None:
+        """Re-publish what each stream under `root` missed of what its guard heard; remove `root`."""
+        for where in sorted(root.glob("*/*")):
+            account, stream = where.parent.name, where.name
+            if account not in self.by_account or not (where / SEQ0).exists():
+                continue
+            st = {"seq0": int((where / SEQ0).read_text()), "move_id": f"step-down-{root.name}"}
+            heard = await reconcile(self.in_account[account], self.by_account[account], stream, st, where, no_emit)
+            emit("guard", stream=f"{account}/{stream}", **heard)
+        shutil.rmtree(root, ignore_errors=True)
+
+    async def recover(self, emit: Emit) -> None:
+        """Reconcile the step-down captures a killed ferry on this host left in this cluster's state directory."""
+        for root in sorted((state_root() / "step-downs" / self.name).glob("*")):
+            pid, _, rest = root.name.partition("-")  # <pid>-<process start>-<random>
+            now = process_start(int(pid)) if pid.isdigit() else None
+            if now is None or now not in ("?", rest.rsplit("-", 1)[0]):  # its ferry is gone
+                emit("warning", message=f"reconciling the step-down captures a killed ferry left ({root})")
+                await self._reconcile(root, emit)
 
     async def prohibit(self, node: str) -> None:
         """Nothing to switch on a NATS server: the prohibiting state kicks whatever comes back."""

@@ -21,6 +21,7 @@ from ferry.brokers.rabbitmq import Management, amqp_connect, q, queue_path
 from ferry.brokers.rabbitmq.wire import QueueCounts
 from ferry.errors import AuthError, BrokerUnavailable, ConfigError, FerryError, NotFound
 from ferry.jobs.evacuate.nodes.base import CONTROL, RELOCATE_PREFIX, STALE_AFTER, Asset, Nodes, NodeView
+from ferry.jobs.shared.events import Emit, no_emit
 from ferry.journal import ParamJournal
 from ferry.spark.session import SparkFactory, factory
 from ferry.topology import RabbitCluster
@@ -120,8 +121,11 @@ class RabbitNodes(Nodes):
     def movable(self, a: Asset) -> bool:
         return len(a.peers) > 1
 
-    async def step_down_many(self, moves: list[tuple[Asset, str | None]]) -> list[str]:
-        """Quorum queue leaders (all on one node) handed over in one ``rabbitmqctl eval`` on that node."""
+    async def step_down_many(
+        self, moves: list[tuple[Asset, str | None]], guard: bool = False, emit: Emit = no_emit
+    ) -> list[str]:
+        """Quorum queue leaders (all on one node) handed over in one ``rabbitmqctl eval`` on that node
+        (no guard: an AMQP publisher's confirms already say what a queue did not take)."""
         if not moves:
             return []
 
