@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import PLAIN, DirOpt, JsonOpt, TopologyOpt, lab_dir_arg, open_topology, run
+from ferry.cli.options import PLAIN, DirOpt, JsonOpt, TopologyOpt, host_port_arg, lab_dir_arg, open_topology, run
 from ferry.cli.render import err, out, print_json
 
 lab_app = typer.Typer(**PLAIN, help="Real brokers on 127.0.0.1 for demos, tests and benchmarks.", no_args_is_help=True)
@@ -47,6 +47,7 @@ def lab_up(
     if state.lb:
         out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
         out.print(f"console: {state.lb['serve']}/  (bearer token in {state.lb['token_file']})")
+        out.print(f"its state directory (moves it adopts): FERRY_STATE_DIR={state.lb['state_dir']}")
         if "prometheus" in state.lb:
             out.print(
                 f"Prometheus: {state.lb['prometheus']}  (scrapes ferry serve every second, ferry's alerts loaded)"
@@ -58,10 +59,18 @@ def lab_up(
 @lab_app.command("haproxy-config")
 def lab_haproxy_config(
     cluster: Annotated[str, typer.Argument(help="The NATS or RabbitMQ cluster to front.")],
-    serve: Annotated[str, typer.Option(help="host:port of `ferry serve` (the availability check).")] = "127.0.0.1:8377",
-    nats_bind: Annotated[str, typer.Option(help="Where HAProxy listens for NATS clients.")] = "*:4222",
-    amqp_bind: Annotated[str, typer.Option(help="Where HAProxy listens for AMQP clients.")] = "*:5672",
-    mqtt_bind: Annotated[str, typer.Option(help="Where HAProxy listens for MQTT clients ('' for none).")] = "*:1883",
+    serve: Annotated[
+        str, typer.Option(help="host:port of `ferry serve` (the availability check).", callback=host_port_arg)
+    ] = "127.0.0.1:8377",
+    nats_bind: Annotated[
+        str, typer.Option(help="Where HAProxy listens for NATS clients.", callback=host_port_arg)
+    ] = "*:4222",
+    amqp_bind: Annotated[
+        str, typer.Option(help="Where HAProxy listens for AMQP clients.", callback=host_port_arg)
+    ] = "*:5672",
+    mqtt_bind: Annotated[
+        str, typer.Option(help="Where HAProxy listens for MQTT clients ('' for none).", callback=host_port_arg)
+    ] = "*:1883",
     topology: TopologyOpt = None,
 ) -> None:
     """Print an haproxy.cfg for a cluster of the topology: leastconn, node health + ferry's availability check."""

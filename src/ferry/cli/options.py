@@ -82,6 +82,19 @@ def stream_name_arg(value: str | None) -> str | None:
 StreamArg = Annotated[str, typer.Argument(callback=stream_name_arg)]
 
 
+def host_port_arg(value: str | None) -> str | None:
+    """HOST:PORT (HOST may be ``*``, a name, an IPv4 or a bracketed IPv6 address), written into a
+    configuration file as it is: anything else is a usage error."""
+    import re
+
+    if value in (None, ""):
+        return value
+    m = re.fullmatch(r"(\*|[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})", value)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise typer.BadParameter(f"{value!r} is not HOST:PORT")
+    return value
+
+
 # -- copy ---------------------------------------------------------------------------------
 
 SparkMaster = Annotated[
