@@ -160,6 +160,17 @@ def wait_event(proc: subprocess.Popen[str], event: str, nth: int = 1, timeout: f
     return events
 
 
+def restart_node(state: Any, name: str, down: float) -> None:
+    """SIGKILL a server of the lab `state`, start it again `down` seconds later, wait until it answers."""
+    node = state.proc(name)
+    node.signal(signal.SIGKILL)
+    wait_for(lambda: not node.group_alive(), 30, f"{name} to die")
+    time.sleep(down)
+    node.start()
+    state.save()
+    wait_for(lambda: state.health().get(name) == "ok", 120, f"{name} to answer again")
+
+
 def killed_at_event(event: str, nth: int, *args: str, topology: Path, cwd: Path | None = None) -> list[dict[str, Any]]:
     """`ferry ARGS --json` (run in `cwd`), its process group (driver, JVM, workers) SIGKILLed once
     it has emitted `event` `nth` times; the events it emitted."""

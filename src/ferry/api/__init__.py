@@ -39,13 +39,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ferry.api.audits import Audits
 from ferry.api.console import view
 from ferry.api.metrics import JournalCollector, render
-from ferry.api.watch import READ_FRESH, Registry
+from ferry.api.watch import READ_FRESH, Registry, kind_of
 from ferry.errors import Conflict, FerryError, NotFound
 from ferry.jobs import evacuate as rb
 from ferry.jobs import move as mv
 from ferry.jobs.evacuate.plan import evacuation_key, rebalance_key
 from ferry.jobs.move.standby import announce, stand_by
-from ferry.topology import Topology
+from ferry.topology import NatsCluster, Topology
 
 # seconds from serve's start an availability check may wait for the first journal read: less than
 # the lab HAProxy's check timeout (its `inter`, 1 s, with no `timeout check`)
@@ -57,9 +57,9 @@ STATIC = Path(__file__).parent / "static"
 __all__ = ["READ_FRESH", "Registry", "create_app"]
 
 
-def _resume(reg: Registry, cname: str, st: dict[str, Any]) -> Any:
+def _resume(reg: Registry, cname: str, key: str, st: dict[str, Any]) -> Any:
     """The driver that takes over an evacuation, rebalance or move on record whose ferry died."""
-    if st.get("stream") and st.get("move_id"):  # a move: never stopped by serve's end (that would cancel it)
+    if kind_of(key, st) == "move":  # not stopped at serve's end: for a move that means cancelled
         where = st.get("placement") or {}
         req = mv.MoveRequest(
             stream=st["stream"],
@@ -141,9 +141,10 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         reg.started = time.monotonic()
         reg.first_read = {n: asyncio.Event() for n in reg.journals}
         tasks = [asyncio.create_task(reg.watch(n, c)) for n, c in reg.journals.items()]
-        tasks.append(asyncio.create_task(reg.adopt(lambda c, st: _resume(reg, c, st))))
+        tasks.append(asyncio.create_task(reg.adopt(lambda c, k, st: _resume(reg, c, k, st))))
         tasks.append(asyncio.create_task(reg.stand_by(lambda c, st, moving: stand_by(reg.journals[c], st, moving))))
-        tasks.append(asyncio.create_task(announce()))
+        nats_urls = sorted({u for c in reg.journals.values() if isinstance(c, NatsCluster) for u in c.urls})
+        tasks.append(reg.spawn("announcing this serve", announce(nats_urls)))  # a failure is logged
         tasks.append(asyncio.create_task(reg.refresh()))
         yield
         for ev in reg.stops.values():
@@ -152,7 +153,7 @@ def create_app(topo: Topology, token: str | None, public_read: bool = False, rep
         if drivers:
             await asyncio.wait(drivers, timeout=5)
         # moves and standby guards are cancelled: their journal stays for the next ferry to adopt
-        left = tasks + list(reg.drivers.values()) + list(reg.standbys.values())
+        left = tasks + list(reg.drivers.values()) + [t for t, _ in reg.standbys.values()]
         for t in left:
             t.cancel()
         await asyncio.wait(left, timeout=5)  # a guard closes its file and connection

@@ -33,7 +33,8 @@ log = logging.getLogger("ferry.serve")
 READ_FRESH = 2.0  # seconds: how recent the journal read behind an adoption must be
 LIVE_EVERY = 3.0  # seconds between reads of the live figures
 LIVE_WAIT = 2.0  # seconds one read of live figures may take before it is given up (the last values stay)
-ADOPTED = ("evacuation", "rebalance")  # the jobs serve drives when their ferry died
+ADOPTED = ("evacuation", "rebalance")  # the jobs serve drives when their ferry died (and moves)
+MOVE_STALE_AFTER = 10.0  # seconds without a heartbeat before a move's ferry counts as dead (the move's own)
 FAILBACK_KEY = "dr-failback"  # where a RabbitMQ cluster's DR fail-back record is kept among its states
 
 
@@ -126,7 +127,8 @@ class Registry:
                 self.journals |= {f"{n}@{a}": c.in_account(a, n) for a in sorted(c.accounts)}
         self.states: dict[str, dict[str, dict[str, Any]]] = {}  # journal -> key -> state (read at least once)
         self.drivers: dict[str, asyncio.Task[Any]] = {}
-        self.standbys: dict[str, asyncio.Task[Any]] = {}  # a move's standby guard, by driver_key
+        # a move's standby guard and when it began, by driver_key
+        self.standbys: dict[str, tuple[asyncio.Task[Any], float]] = {}
         self.stops: dict[str, asyncio.Event] = {}
         self.read_at: dict[str, float] = {}  # journal -> time.monotonic() of its last read
         self.started = time.monotonic()
@@ -323,13 +325,13 @@ class Registry:
     # -- adoption ----------------------------------------------------------------------------------
 
     async def adopt(self, resume: Any) -> None:
-        """Drive every journaled operation whose driver is gone (`resume(cluster, state)` makes the driver)."""
+        """Drive every journaled operation whose driver is gone (`resume(journal, key, state)` makes the driver)."""
         while True:
             for cname, key, st in self.orphans():
                 name = self.driver_key(cname, key)
                 if not ((task := self.drivers.get(name)) and not task.done()):  # a move is read via each cluster
                     log.warning("adopting %s (state %s)", key, st.get("state") or st.get("phase"))
-                    self.start(name, resume(cname, st))
+                    self.start(name, resume(cname, key, st))
             await asyncio.sleep(1.0)
 
     def driver_key(self, journal: str, key: str) -> str:
@@ -339,11 +341,7 @@ class Registry:
 
     def moves(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(journal, key, state) of each move on record that has not ended."""
-        return [
-            (cname, key, st)
-            for cname, key, kind, st in self.operations()
-            if kind == "move" and st.get("phase") not in (None, "done", "cancelled")
-        ]
+        return [(cname, key, st) for cname, key, _, st in self.operations() if _unfinished_move(key, st)]
 
     async def stand_by(self, guard: Any) -> None:
         """Keep a standby guard beside every move that runs one (`guard(journal, state, moving)`
@@ -351,8 +349,9 @@ class Registry:
         while True:
             for cname, key, st in self.moves():
                 name = self.driver_key(cname, key)
-                task = self.standbys.get(name)
-                if (task is None or task.done()) and standby.guarded(st):
+                task, began = self.standbys.get(name, (None, 0.0))
+                # one that failed (its guard refused, say) is tried again every few seconds, not at once
+                if (task is None or (task.done() and time.monotonic() - began > 5.0)) and standby.guarded(st):
                     where, move_id = self.where(cname), st.get("move_id")
 
                     def moving(where: str = where, key: str = key, move_id: Any = move_id) -> bool:
@@ -360,13 +359,13 @@ class Registry:
                         return now.get("move_id") == move_id and now.get("phase") in standby.MOVING
 
                     log.info("standby guard for %s (move %s)", key, move_id)
-                    self.standbys[name] = self._task(name, guard(cname, st, moving))
+                    self.standbys[name] = (self.spawn(name, guard(cname, st, moving)), time.monotonic())
             await asyncio.sleep(0.2)
 
     def orphans(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(cluster, key, state) of each evacuation, rebalance or move to adopt: no driver of ours runs
         it, and its owner looks dead in a journal read of the last READ_FRESH seconds (a move: one
-        whose capture directory serve reaches, :func:`~ferry.jobs.move.standby.reachable`). A cluster's
+        whose state directory serve shares, :func:`~ferry.jobs.move.standby.reachable`). A cluster's
         last known states age while its journal does not answer (the node being evacuated may be
         the one serve reads through): its live owners' heartbeats would look stale. An owner still
         running on this host is never adopted, however late its heartbeat (CI saw a CLI
@@ -378,27 +377,21 @@ class Registry:
             for cname, states in list(self.states.items())
             if now - self.read_at.get(cname, float("-inf")) < READ_FRESH
             for key, st in list(states.items())
-            if (
-                kind_of(key, st) in ADOPTED
-                or (
-                    kind_of(key, st) == "move"
-                    and st.get("phase") not in ("done", "cancelled")
-                    and standby.reachable(st)
-                )
-            )
+            if (kind_of(key, st) in ADOPTED or (_unfinished_move(key, st) and standby.reachable(st)))
             and st.get("cluster", cname) == cname  # the clusters of a NATS site share one bucket
             and not ((task := self.drivers.get(self.driver_key(cname, key))) and not task.done())
-            and not owner_alive(st, STALE_AFTER)
+            and not owner_alive(st, MOVE_STALE_AFTER if kind_of(key, st) == "move" else STALE_AFTER)
             and not running_here(st)
             and not st.get("refused")  # the broker refused its driver's user: not to go on under serve's
         ]
 
     def start(self, key: str, coro: Any) -> asyncio.Task[Any]:
-        self.drivers[key] = task = self._task(key, coro)
+        self.drivers[key] = task = self.spawn(key, coro)
         return task
 
     @staticmethod
-    def _task(key: str, coro: Any) -> asyncio.Task[Any]:
+    def spawn(key: str, coro: Any) -> asyncio.Task[Any]:
+        """`coro` as a task whose failure is logged under `key` (a Conflict, another ferry's, is not)."""
         from ferry.errors import Conflict
 
         task = asyncio.create_task(coro)
@@ -424,8 +417,8 @@ class Registry:
 
 
 def _unfinished_move(key: str, st: dict[str, Any]) -> bool:
-    """A move on record, not ended, whose capture directory serve reaches (to adopt it)."""
-    return kind_of(key, st) == "move" and st.get("phase") not in ("done", "cancelled") and standby.reachable(st)
+    """A move on record that has not ended."""
+    return kind_of(key, st) == "move" and st.get("phase") not in (None, "done", "cancelled")
 
 
 def failback_total(st: dict[str, Any]) -> int:

@@ -82,7 +82,8 @@ def main() -> None:
     # py4j reports a call cut short by Ctrl-C on the root logger, with a traceback each time: the
     # root logger keeps quiet, and ferry's own loggers write their lines to stderr
     logging.getLogger().addHandler(logging.NullHandler())
-    logging.getLogger("ferry").addHandler(logging.StreamHandler())
+    if not logging.getLogger("ferry").handlers:  # once (a test runs main() again in one process)
+        logging.getLogger("ferry").addHandler(logging.StreamHandler())
     try:
         code = command()(standalone_mode=False)  # usage errors come here, to be reported on one line
     except NoArgsIsHelpError as exc:

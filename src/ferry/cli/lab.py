@@ -56,21 +56,18 @@ def lab_up(
             out.print(f"through HAProxy: {name}: {' '.join(urls.values())}")
 
 
+def _host_port(help: str) -> Any:
+    """An option written into haproxy.cfg as it is: HOST:PORT, checked."""
+    return typer.Option(help=help, callback=host_port_arg)
+
+
 @lab_app.command("haproxy-config")
 def lab_haproxy_config(
     cluster: Annotated[str, typer.Argument(help="The NATS or RabbitMQ cluster to front.")],
-    serve: Annotated[
-        str, typer.Option(help="host:port of `ferry serve` (the availability check).", callback=host_port_arg)
-    ] = "127.0.0.1:8377",
-    nats_bind: Annotated[
-        str, typer.Option(help="Where HAProxy listens for NATS clients.", callback=host_port_arg)
-    ] = "*:4222",
-    amqp_bind: Annotated[
-        str, typer.Option(help="Where HAProxy listens for AMQP clients.", callback=host_port_arg)
-    ] = "*:5672",
-    mqtt_bind: Annotated[
-        str, typer.Option(help="Where HAProxy listens for MQTT clients ('' for none).", callback=host_port_arg)
-    ] = "*:1883",
+    serve: Annotated[str, _host_port("host:port of `ferry serve` (the availability check).")] = "127.0.0.1:8377",
+    nats_bind: Annotated[str, _host_port("Where HAProxy listens for NATS clients.")] = "*:4222",
+    amqp_bind: Annotated[str, _host_port("Where HAProxy listens for AMQP clients.")] = "*:5672",
+    mqtt_bind: Annotated[str, _host_port("Where HAProxy listens for MQTT clients ('' for none).")] = "*:1883",
     topology: TopologyOpt = None,
 ) -> None:
     """Print an haproxy.cfg for a cluster of the topology: leastconn, node health + ferry's availability check."""

@@ -12,14 +12,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 from typing import Any
 
 import pytest
 
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, q
-from tests.helpers import FERRY, ferry, killed_at_event, started_json, wait_event, wait_for
+from tests.helpers import FERRY, ferry, killed_at_event, restart_node, started_json, wait_event, wait_for
 from tests.jobs.dr_failback.setting import assert_done, counted_on_pc1, depths
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
@@ -85,17 +84,6 @@ def test_killed_at_every_event_a_plain_rerun_finishes(dr: dict[str, Any], engine
         assert report["counted"]["duplicated"] == 0, report.get("verification")
 
 
-def _restart(rabbit_dr: lab.LabState, name: str, down: float) -> None:
-    """SIGKILL a node of the lab, start it again `down` seconds later, wait until it answers."""
-    node = rabbit_dr.proc(name)
-    node.signal(signal.SIGKILL)
-    wait_for(lambda: not node.group_alive(), 30, f"{name} to die")
-    time.sleep(down)
-    node.start()
-    rabbit_dr.save()
-    wait_for(lambda: rabbit_dr.health().get(name) == "ok", 120, f"{name} to answer again")
-
-
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # long enough to kill a node midway
 @pytest.mark.parametrize(("engine", "node"), [("spark", "ltm"), ("spark", "pc1"), ("shovel", "ltm"), ("shovel", "pc1")])
 def test_a_node_killed_mid_transfer_then_a_plain_rerun(
@@ -110,7 +98,7 @@ def test_a_node_killed_mid_transfer_then_a_plain_rerun(
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: sum(asyncio.run(depths(topo, "ltm", [])).values()) < total * 0.8, 120, "the transfer")
-        _restart(rabbit_dr, node, 5.0)
+        restart_node(rabbit_dr, node, 5.0)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -177,7 +165,7 @@ def test_the_source_killed_as_its_upstreams_come_back(dr: dict[str, Any], rabbit
     proc = started_json(*ARGS, "--engine", engine, topology=dr["topology"])
     try:
         wait_event(proc, "upstream-restored", 1)
-        _restart(rabbit_dr, "ltm", 2.0)
+        restart_node(rabbit_dr, "ltm", 2.0)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

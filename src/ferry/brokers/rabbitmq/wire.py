@@ -476,6 +476,8 @@ class Connection:
             if ch.rpc and not ch.rpc.done():
                 text = method.reply_text or ""
                 error = NotFound if method.reply_code == 404 else FerryError
+                if "is down or inaccessible" in text:  # a classic queue whose node is down: there, not reachable
+                    error = BrokerUnavailable
                 ch.rpc.set_exception(error(f"{self.name}: {text.split(' - ', 1)[-1]}"))
             if ch.on_cancel:
                 ch.on_cancel()

@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,10 +35,10 @@ from ferry.jobs.move.plan import (
     same_placement,
     still_ready,
 )
-from ferry.jobs.move.standby import standby_ferries
+from ferry.jobs.move.standby import listened_since, standby_ferries
 from ferry.jobs.move.verify import snapshot, verify
 from ferry.jobs.shared.events import Emit, no_emit
-from ferry.jobs.shared.guard import STANDBY, Guard, reconcile, state_root
+from ferry.jobs.shared.guard import Guard, reconcile, state_root
 from ferry.jobs.shared.models import Model
 from ferry.journal import BUCKET, KvJournal, owner_alive
 from ferry.topology import NatsCluster
@@ -147,10 +148,11 @@ async def move(
         if resuming and prior and prior.get("from"):  # the move's origin, not where its group is by now
             plan.origin, plan.nothing_to_do = prior["from"], False
         if req.guard and not plan.nothing_to_do:
-            plan.standby = [f"ferry serve pid {o['pid']} on {o['host']}" for o in standby_ferries(req.state_dir)]
+            serves = standby_ferries(cluster.urls, req.state_dir)
+            plan.standby = [f"ferry serve pid {o['pid']} on {o['host']}" for o in serves]
             if not plan.standby:
                 plan.warnings.append(
-                    "no ferry serve keeps a standby guard (none runs with this state directory): if this "
+                    "no ferry serve keeps a standby guard (none reads this cluster with this state directory): if this "
                     "ferry dies, core publishes until the move runs again are not captured"
                 )
         emit("plan", **plan.doc())
@@ -205,17 +207,21 @@ async def move(
                         await _put_back(journal, prior)
                 raise
             emit("guard", subjects=info["config"]["subjects"], file=str(guard.path), waited=guard.waited)
+            if plan.standby and await _standby_listens(capture_dir, emit):
+                await journal.save(standby_seen=True)  # nothing changes until the standby listens too
         elif req.guard:
             emit(
                 "guard", subjects=[], note="the stream has no subjects of its own (mirror/sourced): nothing to capture"
             )
         result: dict[str, Any] = {"move_id": st["move_id"], "from": st["from"], "to": st["to"]}
+        standby_since = listened_since(capture_dir)
+        result["standby"] = standby_since is not None
         if resuming and guard and prior and prior.get("heartbeat"):
-            # the run before listened until about its last heartbeat; this one from now on; a standby
-            # guard that wrote after that heartbeat listened in between
+            # the run before listened until about its last heartbeat (until it died: past that heartbeat);
+            # this one from now on; a standby from its start on (while the run before ran, if that one saw it)
             died = float(prior["heartbeat"])
-            heard = any(f.stat().st_mtime > died for f in capture_dir.glob(f"{STANDBY}-*.arrow"))
-            result["unguarded_s"] = 0.0 if heard else round(max(0.0, time.time() - died), 1)
+            since = died if prior.get("standby_seen") else min(time.time(), standby_since or time.time())
+            result["unguarded_s"] = round(max(0.0, since - died), 1)
         if gap := result.get("unguarded_s"):
             emit(
                 "unguarded",
@@ -248,7 +254,8 @@ async def move(
                 await guard.stop()
         result["outcome"] = st["outcome"]
         if guard or (capture_dir.exists() and any(capture_dir.glob("capture-*.arrow"))):
-            result.update(await reconcile(cluster, nc, req.stream, st, capture_dir, emit))
+            async with _beating(journal):  # a minute at most, and no other ferry adopts the move meanwhile
+                result.update(await reconcile(cluster, nc, req.stream, st, capture_dir, emit))
         post = await snapshot(nc, req.stream)
         problems = verify(st["pre"], post)
         result["verify"] = {"ok": not problems, "problems": problems, "last_seq": post["last_seq"]}
@@ -283,6 +290,37 @@ async def _follow(
     return MoveResult.model_validate(st["result"])
 
 
+async def _standby_listens(capture_dir: Path, emit: Emit, within: float = 5.0) -> bool:
+    """Wait until a standby guard writes in `capture_dir` (a `ferry serve` reads the journal twice a
+    second), `within` seconds at most; say which, and return whether one does."""
+    deadline = time.monotonic() + within
+    while listened_since(capture_dir) is None:
+        if time.monotonic() > deadline:
+            said = "if this ferry dies, core publishes until the move runs again are not captured"
+            emit("warning", note=f"no standby guard listened within {within:g}s: {said}")
+            return False
+        await asyncio.sleep(0.1)
+    emit("standby", note="a standby guard (ferry serve) listens too: a kill of this ferry leaves no gap")
+    return True
+
+
+@contextlib.asynccontextmanager
+async def _beating(journal: KvJournal) -> AsyncIterator[None]:
+    """The journal's heartbeat every second while the block runs."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            journal.save_soon()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def _put_back(journal: KvJournal, prior: dict[str, Any] | None) -> None:
     """The record as it was before a move that changed nothing (an earlier move's result, or none)."""
     if prior is None:
@@ -308,7 +346,6 @@ async def _watch(
     began = time.monotonic() - (time.time() - st["started"])  # the move's start: times are from there
     leader = st.get("leader")  # the last one a run saw: a change while no ferry watched is seen too
     changes: list[dict[str, Any]] = st.setdefault("leader_changes", [])  # journaled: a rerun goes on with them
-    standby = False
     leaderless = unanswered = 0.0
     asked = st.get("cancel")  # a cancel a run before this one asked for (Ctrl-C, timeout)
     last_poll = time.monotonic()
@@ -406,9 +443,6 @@ async def _watch(
         if now - last_beat >= 1.0:
             last_beat = now
             journal.save_soon()
-            if not standby and any(Path(st["capture_dir"]).glob(f"{STANDBY}-*.arrow")):
-                standby = True
-                emit("standby", note="a standby guard (ferry serve) listens too: a kill of this ferry leaves no gap")
         await asyncio.sleep(0.05)
     return outcome, {
         "leader_changes": changes,
@@ -416,7 +450,6 @@ async def _watch(
         "leaderless_s": round(leaderless, 3),
         "unanswered_s": round(unanswered, 3),
         "moved_in_s": round(now - began, 3),
-        "standby": standby,
     }
 
 

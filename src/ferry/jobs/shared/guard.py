@@ -206,6 +206,8 @@ class Guard:
         return all(await asyncio.gather(*(reach(u) for u in urls)))
 
     def _on_msg(self, m: WireMsg) -> None:
+        if m.raw is not None and b"Ferry-Reinjected" in m.raw:
+            return  # a copy ferry re-published (acked, with retries): never a message to guard twice
         r = self.rows
         headers = m.headers
         r["recv_ns"].append(time.time_ns())

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from ferry.brokers import nats as bnats
 from ferry.brokers.nats import auth as bnats_auth
 from ferry.brokers.nats.jsapi import api as js_api
 from ferry.brokers.nats.jsapi import stream_info
-from ferry.errors import AuthError, BrokerUnavailable, FerryError
+from ferry.errors import BrokerUnavailable, FerryError
 from ferry.jobs.evacuate.nodes.base import CONTROL, STALE_AFTER, Asset, Nodes, NodeView
 from ferry.jobs.shared.events import Emit, no_emit
 from ferry.jobs.shared.guard import Guard, reconcile, state_root
@@ -27,6 +28,19 @@ from ferry.journal import KvJournal, process_start
 from ferry.topology import NatsCluster
 
 SEQ0 = "seq0"  # the file beside a step-down's capture: the stream's last sequence before its guard listened
+LIVE: set[Path] = set()  # the step-down captures this process is writing now
+
+
+def _in_use(root: Path) -> bool:
+    """Whether a live ferry writes the step-down captures under `root` (``<pid>-<process start>-<id>``),
+    or reconciles them (``....<pid>``): this process's own only while its step-down runs."""
+    name, _, claimer = root.name.partition(".")
+    pid, _, rest = name.partition("-")
+    if claimer:
+        return claimer != str(os.getpid()) and claimer.isdigit() and process_start(int(claimer)) is not None
+    if pid == str(os.getpid()):
+        return root in LIVE
+    return pid.isdigit() and process_start(int(pid)) in ("?", rest.rsplit("-", 1)[0])
 
 
 class NatsNodes(Nodes):
@@ -168,37 +182,42 @@ class NatsNodes(Nodes):
     @contextlib.asynccontextmanager
     async def _guarded(self, streams: list[Asset], emit: Emit) -> AsyncIterator[None]:
         """A guard on each stream's subjects while the block runs, then the reconciliation. The
-        captures live in the state directory (``step-downs/<cluster>/<pid>-<start>/``) with the
+        captures live in the state directory (``step-downs/<cluster>/<host>/<pid>-<start>-<id>/``) with the
         sequence each began at: a ferry killed meanwhile leaves them to the next one
         (:meth:`recover`)."""
         if not streams:
             yield
             return
-        root = state_root() / "step-downs" / self.name / f"{os.getpid()}-{process_start(os.getpid())}-{uuid4().hex[:6]}"
+        root = self._captures() / f"{os.getpid()}-{process_start(os.getpid())}-{uuid4().hex[:6]}"
         guards: list[tuple[Asset, Guard]] = []
 
         async def start(a: Asset) -> None:
-            info = await stream_info(self.by_account[a.account], a.stream)
-            if not info["config"].get("subjects"):
-                return  # a mirror or a sourced stream: no publisher writes to it
             where = root / a.account / a.stream
-            where.mkdir(parents=True, mode=0o700)
-            (where / SEQ0).write_text(str(info["state"]["last_seq"]))  # before the guard: nothing heard is older
-            g = Guard(self.in_account[a.account], info["config"]["subjects"], where / f"capture-{os.getpid()}.arrow")
             try:
-                await g.start(led_in=(info.get("cluster") or {}).get("name", ""))
-            except AuthError as exc:  # ferry may not subscribe there: no guard, said
+                info = await stream_info(self.by_account[a.account], a.stream)
+                if not info["config"].get("subjects"):
+                    return  # a mirror or a sourced stream: no publisher writes to it
+                where.mkdir(parents=True, exist_ok=True, mode=0o700)
+                (where / SEQ0).write_text(str(info["state"]["last_seq"]))  # first: nothing heard is older
+                capture = where / f"capture-{os.getpid()}.arrow"
+                g = Guard(self.in_account[a.account], info["config"]["subjects"], capture)
+                await g.start(led_in=(info.get("cluster") or {}).get("name", ""))  # stops itself when it fails
+            except (FerryError, TimeoutError, OSError) as exc:  # not allowed to listen, leaderless, ...: said
                 shutil.rmtree(where, ignore_errors=True)
-                emit("warning", message=f"{a.label}: not guarded: {exc}")
+                emit("warning", message=f"{a.label}: stepped down unguarded: {exc}")
                 return
             guards.append((a, g))
 
+        LIVE.add(root)
         try:
-            await asyncio.gather(*(start(a) for a in streams))
-            yield
+            try:
+                await asyncio.gather(*(start(a) for a in streams))  # each says its own failure
+                yield
+            finally:
+                await asyncio.gather(*(g.stop() for _, g in guards))
+            await self._reconcile(root, emit)  # interrupted before: the captures stay, for recover()
         finally:
-            await asyncio.gather(*(g.stop() for _, g in guards))
-        await self._reconcile(root, emit)
+            LIVE.discard(root)
 
     async def _led(self, a: Asset, within: float = 15.0) -> None:
         """Until the stream answers with a leader other than the one that stepped down, or with that
@@ -224,14 +243,23 @@ class NatsNodes(Nodes):
             emit("guard", stream=f"{account}/{stream}", **heard)
         shutil.rmtree(root, ignore_errors=True)
 
+    def _captures(self) -> Path:
+        return state_root() / "step-downs" / self.name / socket.gethostname()
+
     async def recover(self, emit: Emit) -> None:
-        """Reconcile the step-down captures a killed ferry on this host left in this cluster's state directory."""
-        for root in sorted((state_root() / "step-downs" / self.name).glob("*")):
-            pid, _, rest = root.name.partition("-")  # <pid>-<process start>-<random>
-            now = process_start(int(pid)) if pid.isdigit() else None
-            if now is None or now not in ("?", rest.rsplit("-", 1)[0]):  # its ferry is gone
-                emit("warning", message=f"reconciling the step-down captures a killed ferry left ({root})")
-                await self._reconcile(root, emit)
+        """Reconcile the step-down captures left in this cluster's state directory on this host by a
+        ferry that is gone (or by an interrupted step-down of this one); each claimed first (renamed
+        ``<name>.<pid>``), so that two ferries recovering at once do not both re-publish."""
+        for root in sorted(self._captures().glob("*")):
+            if _in_use(root):
+                continue
+            claimed = root.with_name(f"{root.name.partition('.')[0]}.{os.getpid()}")
+            try:
+                root.rename(claimed)
+            except OSError:  # another ferry claimed it first
+                continue
+            emit("warning", message=f"reconciling the step-down captures an interrupted ferry left ({claimed.name})")
+            await self._reconcile(claimed, emit)
 
     async def prohibit(self, node: str) -> None:
         """Nothing to switch on a NATS server: the prohibiting state kicks whatever comes back."""

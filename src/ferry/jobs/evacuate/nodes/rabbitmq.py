@@ -9,6 +9,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -169,12 +170,30 @@ class RabbitNodes(Nodes):
                 continue
             try:
                 moved = await self._relocate(a, target, rate)
-            except FerryError as exc:
-                results.append(str(exc))
+            except Exception as exc:  # a Spark job's failure too: said in one line
+                results.append(await self._why(a, target, exc))
                 continue
             emit("relocated", queue=a.label, to=target, messages=moved)
             results.append("")
         return results
+
+    async def _why(self, a: Asset, target: str, exc: Exception) -> str:
+        """A relocation's failure in one line; a node of the two that went down is named as the cause
+        (the queue's messages are out of reach until it is back: the evacuation waits for it, then
+        relocates the queue from where it stopped)."""
+        from ferry.spark.session import spark_error
+
+        said = str(spark_error(exc))
+        down = [self.by_erlang.get(n, n) for n in re.findall(r"home node '([^']+)'", said)]  # the broker's words
+        with contextlib.suppress(Exception):
+            assert self.m
+            nodes = await self.m.get("/nodes", params={"columns": "name,running"})
+            running = {n["name"] for n in nodes if n["running"]}
+            down += [n for n in (a.leader, target) if self.erlang[n] not in running and n not in down]
+        if down:
+            back = "the queue is relocated once it is back"
+            return f"{' and '.join(down)} went down during the relocation ({said}); {back}"
+        return said
 
     async def _relocate(self, a: Asset, target: str, rate: float | None) -> int:
         assert self.m
