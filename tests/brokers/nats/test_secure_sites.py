@@ -41,6 +41,7 @@ def relay(topology: Path, tmp: Path, *args: str) -> Relay:
     return r
 
 
+@pytest.mark.faults  # in `make test`: the second account's failover here, a killed relay in test_replicate.py
 def test_a_second_accounts_stream_is_relayed_through_a_killed_relay(secure_sites: lab.LabState, tmp_path: Path) -> None:
     topology = secure_sites.path / "topology.yaml"
     topo = load_topology(topology).in_account("SALES")

@@ -114,6 +114,7 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
 
 @pytest.mark.connect
 @pytest.mark.spark
+@pytest.mark.connect  # eight ferry commands: their Spark jobs on the suite's Connect server, not a JVM each
 def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     secure_supercluster: lab.LabState, secure_rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:

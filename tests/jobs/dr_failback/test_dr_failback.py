@@ -291,6 +291,7 @@ def test_failback_refusals_change_nothing(dr: dict[str, Any], tmp_path: Path) ->
     assert asyncio.run(leftovers(topo)) == {"shovels": [], "journal": None}
 
 
+@pytest.mark.faults  # with the shovel cuts of test_faults.py; `make test` kills a shovel fail-back mid-transfer
 def test_a_shovel_that_moves_nothing_stops_the_failback_and_a_rerun_finishes(
     dr: dict[str, Any], rabbit_dr: lab.LabState
 ) -> None:

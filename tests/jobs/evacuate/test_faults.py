@@ -1,0 +1,59 @@
+"""The NATS evacuation's fault matrix on the lab super-cluster (`make test-faults`; in `make test`,
+the evacuation with guarded step-downs and serve's adoption of a CLI evacuation stand for it):
+`ferry node evacuate` SIGKILLed at every state it enters and once its step-down guard has
+reconciled; the lab's `ferry serve` (which shares the CLI's state directory here) adopts it. Under
+core (fire-and-forget) load on the streams the node leads, every message sent is in its stream
+once, and no capture is left (issue 49)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ferry import lab
+from tests.conftest import profile_topology
+from tests.helpers import RATE, ferry, finish, judge, killed_at_event, make_stream, start_load, stream_leader, wait_for
+
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
+
+STATES = ["waiting_health_check", "evicting_conns", "waiting_takeover", "evicting_sessions", "prohibiting"]
+STEPS = [("state", n) for n in range(1, len(STATES) + 1)] + [("guard", 1)]
+
+
+@pytest.mark.parametrize(("event", "nth"), STEPS, ids=[STATES[n - 1] if e == "state" else e for e, n in STEPS])
+def test_killed_at_every_step_and_adopted_by_serve(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch, event: str, nth: int
+) -> None:
+    state = Path(supercluster.lb["state_dir"])
+    monkeypatch.setenv("FERRY_STATE_DIR", str(state))  # serve's: the step-down captures a kill leaves are its to find
+    topology, topo = supercluster.path / "topology.yaml", profile_topology(supercluster)
+    stream = f"EVF_{STEPS.index((event, nth))}"
+    asyncio.run(make_stream(topo, "east", stream, [f"{stream.lower()}.>"], placement="east"))
+    node = asyncio.run(stream_leader(topo, "east", stream))
+    other = next(b.url for b in topo.nats("east").brokers if b.name != node)
+    subjects = f"{stream.lower()}.{{n}}"
+    load = start_load(topology, "nats://east", subjects, tmp_path / "ledger", 10, "--no-msg-id", "--url", other)
+    try:
+        args = ["node", "evacuate", node, "--wait-health-check", "1", "--wait-takeover", "1"]
+        killed_at_event(event, nth, *args, topology=topology)
+
+        def prohibiting() -> bool:
+            rows = json.loads(ferry("node", "status", node, "--json", topology=topology, check=True).stdout)
+            return bool(rows) and rows[0]["state"] == "prohibiting"
+
+        wait_for(prohibiting, 90, f"ferry serve to take the evacuation of {node} to prohibiting")
+        assert asyncio.run(stream_leader(topo, "east", stream)) != node
+        finish(load)
+        load = None
+        wait_for(lambda: not list((state / "step-downs").glob("*/*/*")), 30, "the step-down captures to be reconciled")
+    finally:
+        if load:
+            finish(load)
+        ferry("node", "stop", node, topology=topology)
+    t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 4, t
+    print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')})}")
