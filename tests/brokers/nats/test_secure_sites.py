@@ -161,7 +161,8 @@ def test_no_secret_reaches_the_relays_or_the_site_commands(secure_sites: lab.Lab
         secrets += [line for line in creds.read_text().splitlines() if line and not line.startswith("---")]
     key = (secure_sites.path / "tls" / "client-key.pem").read_text()
     secrets += [line for line in key.splitlines() if not line.startswith("-----")][:3]
-    assert len(secrets) >= 2 * 3 + 2 and len(OUTPUTS) > 10 and len(RELAYS) >= 3
+    # relays: the failover's; and the killed relay's two when its cell runs too (make test-faults)
+    assert len(secrets) >= 2 * 3 + 2 and len(OUTPUTS) > 10 and len(RELAYS) >= 1
 
     async def journals() -> list[str]:
         values = []

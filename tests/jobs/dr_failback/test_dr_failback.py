@@ -135,6 +135,7 @@ async def _linger(topo: Topology, ltm: Any, vhost: str, upstream: dict[str, Any]
 
 
 @pytest.mark.parametrize("dr", [5_000], indirect=True)  # killed mid-transfer
+@pytest.mark.faults  # `make test` kills the shovel engine's fail-back mid-transfer (serve adopts its shovels)
 def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], rabbit_dr: lab.LabState, tmp_path: Path) -> None:
     """Killed with the upstreams disabled, then mid-transfer: a plain rerun finishes. Between the
     two, links left running by an upstream's DELETE cut short are restarted away (issue 46, F1:
