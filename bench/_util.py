@@ -128,7 +128,7 @@ class PeakRss:
 def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
     """Run the ferry CLI (its own Spark driver); return its JSON report plus wall, CPU and peak RSS."""
     env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    t0 = time.monotonic()
+    started, t0 = time.time(), time.monotonic()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ferry", *args, "--json"], env=env, stdout=out, stderr=subprocess.PIPE, text=True
@@ -142,6 +142,8 @@ def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
         raise SystemExit(f"ferry {' '.join(args)} failed: {stderr.strip()[-2000:]}")
     return {
         "report": json.loads(text),
+        "events": [json.loads(ln) for ln in stderr.splitlines() if ln.startswith("{")],  # --json events
+        "started": started,  # time.time(), as the events' "t"
         "wall": wall,
         "cpu": peak.cpu,
         "cpu_by_role": peak.cpu_by_role,

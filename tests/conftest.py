@@ -19,6 +19,10 @@ Mark ``connect`` (with ``spark``): the ``ferry`` commands the test runs do their
 the suite's one Spark Connect server (``$FERRY_SPARK_REMOTE``), as on a shared Spark, instead
 of starting a JVM each (8 s or more apiece here). A test that kills ferry mid-job, or watches
 its local JVM, stays without it: a job on a server outlives its killed client.
+
+Mark ``cluster`` (with ``spark``): they run on the ``spark`` lab's standalone master
+(``$FERRY_SPARK_MASTER``), whose two workers' Python has pyspark's dependencies and nothing of
+ferry's: each such test proves ferry ships itself. One test of every Spark job has it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def lab_dir() -> Iterator[Path]:
 # last module (pytest_runtest_teardown) or at the fixture's own teardown, whichever comes first
 _STOPS: dict[str, Callable[[], None]] = {}
 EARLY_STOP = {"supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster", "spark_connect"}
+EARLY_STOP |= {"spark_cluster"}
 
 
 def _stop(fixture: str) -> None:
@@ -90,6 +95,12 @@ def _profile(
 @pytest.fixture(scope="session")
 def supercluster(lab_dir: Path) -> Iterator[lab.LabState]:
     yield from _profile("supercluster", "supercluster", lab_dir, haproxy=True)
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
+    """The ``spark`` lab: a standalone master, two bare workers, a Spark Connect server on them."""
+    yield from _profile("spark_cluster", "spark", lab_dir)
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +155,7 @@ def secure_rabbit_cluster(lab_dir: Path) -> Iterator[lab.LabState]:
 
 
 LAB_FIXTURES = {"lab_dir", "supercluster", "sites", "rabbit_dr", "rabbit_cluster", "secure_supercluster"}
-LAB_FIXTURES |= {"secure_rabbit_dr", "secure_sites", "secure_rabbit_cluster"}
+LAB_FIXTURES |= {"secure_rabbit_dr", "secure_sites", "secure_rabbit_cluster", "spark_cluster"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -155,8 +166,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unmarked.append(f"{item.nodeid}: uses {', '.join(sorted(needs & LAB_FIXTURES))} without the lab mark")
         if "spark" in needs and not item.get_closest_marker("spark"):
             unmarked.append(f"{item.nodeid}: uses the spark fixture without the spark mark")
-        if item.get_closest_marker("connect") and not item.get_closest_marker("spark"):
-            unmarked.append(f"{item.nodeid}: has the connect mark without the spark mark")
+        for mark in ("connect", "cluster"):
+            if item.get_closest_marker(mark):
+                if not (item.get_closest_marker("spark") and item.get_closest_marker("lab")):
+                    unmarked.append(f"{item.nodeid}: has the {mark} mark without the spark and lab marks")
+                item.fixturenames.append({"connect": "spark_connect", "cluster": "spark_cluster"}[mark])  # EARLY_STOP
     if unmarked:
         raise pytest.UsageError("tests whose marks do not say what they need:\n" + "\n".join(unmarked))
     # stable: the relays' modules last, the one with most tests first (a worker of `-n 2 --dist
@@ -270,7 +284,13 @@ def spark_connect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(autouse=True)
-def _spark_jobs_on_connect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests marked ``connect``: their ferry commands find the Connect server in the environment."""
-    if request.node.get_closest_marker("connect"):
+def _spark_jobs_on_the_lab(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests marked ``connect``: their ferry commands find the Connect server in the environment;
+    marked ``cluster`` (which wins), the ``spark`` lab, as a user who sourced its spark.env would."""
+    if request.node.get_closest_marker("cluster"):
+        state = request.getfixturevalue("spark_cluster")
+        monkeypatch.delenv("FERRY_SPARK_REMOTE", raising=False)
+        monkeypatch.setenv("FERRY_SPARK_MASTER", state.spark["master"])
+        monkeypatch.setenv("PYSPARK_PYTHON", state.spark["python"])
+    elif request.node.get_closest_marker("connect"):
         monkeypatch.setenv("FERRY_SPARK_REMOTE", request.getfixturevalue("spark_connect"))

@@ -5,7 +5,13 @@ The safe publisher for applications is ``ferry.publish``: ``publish()`` and ``Pu
 
 from __future__ import annotations
 
+import zipimport
 from typing import TYPE_CHECKING, Any
+
+if isinstance(__loader__, zipimport.zipimporter):  # shipped to a Spark executor (ferry.spark.ship)
+    from ferry.shipped import unpacked
+
+    __path__[:] = [unpacked(__file__)]
 
 from ferry.errors import FerryError
 

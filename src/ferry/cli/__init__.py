@@ -27,8 +27,9 @@ from rich.markup import escape
 
 from ferry.cli import copy, failback, lab, move, node, partition, proof, replicate, serve, stream, topology
 from ferry.cli.options import PLAIN, interrupt_spark
-from ferry.cli.render import err, out
+from ferry.cli.render import err, out, spark_event
 from ferry.errors import FerryError, redact
+from ferry.spark import on_session
 
 try:  # typer vendors click since 0.2x; its errors are what a bad command line raises
     from typer._click.exceptions import BadParameter, ClickException, NoArgsIsHelpError
@@ -84,6 +85,7 @@ def main() -> None:
     logging.getLogger().addHandler(logging.NullHandler())
     if not logging.getLogger("ferry").handlers:  # once (a test runs main() again in one process)
         logging.getLogger("ferry").addHandler(logging.StreamHandler())
+    on_session(spark_event)  # each Spark session says its application id (and, on a cluster, what shipped)
     try:
         code = command()(standalone_mode=False)  # usage errors come here, to be reported on one line
     except NoArgsIsHelpError as exc:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import FederatedOpt, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology
+from ferry.cli.options import FederatedOpt, JsonOpt, SparkArchive, SparkMaster, SparkRemote, TopologyOpt, open_topology
 from ferry.cli.render import err, out, print_json, progress_bar, redelivered_warning
 
 
@@ -34,6 +34,7 @@ def copy_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -66,7 +67,11 @@ def copy_cmd(
     if not as_json:
         _print_plan(plan.as_dict())
     spark = get_session(
-        spark_master, spark_remote, app_name=f"ferry copy {source} -> {destination}", data_sources=False
+        spark_master,
+        spark_remote,
+        archive=spark_archive,
+        app_name=f"ferry copy {source} -> {destination}",
+        data_sources=False,
     )
     with (
         CopyRecord(topo, plan, warn=lambda line: err.print(f"warning: {line}", markup=False)) as record,

@@ -9,7 +9,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import JsonOpt, MetricsPortOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import (
+    JsonOpt,
+    MetricsPortOpt,
+    SparkArchive,
+    SparkMaster,
+    SparkRemote,
+    TopologyOpt,
+    open_topology,
+    run,
+)
 from ferry.cli.render import (
     count_or_unknown,
     err,
@@ -69,6 +78,7 @@ def failback_cmd(
     ] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
@@ -99,7 +109,13 @@ def failback_cmd(
         print_json(view) if as_json else _print_resuming(view)
         return
     # the queue mover reads with no data source
-    spark = factory(spark_master, spark_remote, app_name=f"ferry failback {source} to {target}", data_sources=False)
+    spark = factory(
+        spark_master,
+        spark_remote,
+        archive=spark_archive,
+        app_name=f"ferry failback {source} to {target}",
+        data_sources=False,
+    )
 
     begun: list[tuple[str, dict[str, Any]]] = []  # from the journal on: what an interrupt leaves on record
     try:

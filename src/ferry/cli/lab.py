@@ -19,7 +19,7 @@ lab_app = typer.Typer(**PLAIN, help="Real brokers on 127.0.0.1 for demos, tests 
 
 @lab_app.command("up")
 def lab_up(
-    profile: Annotated[str, typer.Argument(help="supercluster | sites | rabbit-dr | rabbit-cluster")],
+    profile: Annotated[str, typer.Argument(help="supercluster | sites | rabbit-dr | rabbit-cluster | spark")],
     dir: DirOpt = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for health.")] = 180.0,
     haproxy: Annotated[
@@ -43,6 +43,12 @@ def lab_up(
         profile, lab_dir_arg(dir), timeout=timeout, log=lambda m: err.print(m), haproxy=haproxy, secure=secure
     )
     out.print(f"lab {profile}: {len(state.procs)} processes healthy in {time.perf_counter() - t0:.1f}s")
+    if state.spark:
+        sp = state.spark
+        out.print(f"Spark master: {sp['master']}  UI: {sp['master_ui']}  Spark Connect: {sp['connect']}")
+        out.print(f"executors' Python (no ferry in it): {sp['python']}")
+        out.print(f"for ferry's commands: set -a; . {sp['env_file']}; set +a")
+        return
     out.print(f"topology: {(lab_dir_arg(dir) or lab.lab_root()) / 'topology.yaml'}")
     if state.lb:
         out.print(f"ferry serve: {state.lb['serve']}  HAProxy stats: {state.lb['stats']}")
@@ -126,10 +132,14 @@ def lab_status(dir: DirOpt = None, as_json: JsonOpt = False) -> None:
         out.print(f"no lab is running under {root or lab.lab_root()}")
         return
     table = Table("profile", "server", "kind", "pid", "ports", "health")
+    if any("executors" in r for r in rows):
+        table.add_column("executors")
     for r in rows:
         ports = " ".join(f"{k}={v}" for k, v in r["ports"].items())
         health = "[green]ok[/]" if r["health"] == "ok" else f"[red]{r['health']}[/]"
-        table.add_row(r["profile"], r["server"], r["kind"], str(r["pid"]), ports, health)
+        running = ", ".join(f"{e['app_id']}/{e['executor']} ({e['app']})" for e in r.get("executors", []))
+        extra = [running or ("none" if "executors" in r else "")] if len(table.columns) > 6 else []
+        table.add_row(r["profile"], r["server"], r["kind"], str(r["pid"]), ports, health, *extra)
     out.print(table)
 
 

@@ -13,6 +13,7 @@ from ferry.cli.options import (
     PLAIN,
     JsonOpt,
     MetricsPortOpt,
+    SparkArchive,
     SparkMaster,
     SparkRemote,
     TopologyOpt,
@@ -84,6 +85,7 @@ def node_evacuate(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what the node holds; change nothing.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
@@ -106,7 +108,9 @@ def node_evacuate(
         relocate_rate=relocate_rate,
         dry_run=dry_run,
     )
-    spark = factory(spark_master, spark_remote, app_name=f"ferry evacuate {node}")  # relocates classic queues
+    spark = factory(
+        spark_master, spark_remote, archive=spark_archive, app_name=f"ferry evacuate {node}"
+    )  # relocates classic queues
     report = run(evacuate(topo, req, EventMetrics("evacuation", metrics_port).wrap(_Ticker(as_json)), spark=spark))
     if as_json:
         print_json(report)

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from ferry.cli import render
+
 PLAIN = {"rich_markup_mode": None}  # usage errors as plain "Error: ..." lines, not boxes
 
 
@@ -23,7 +25,16 @@ TopologyOpt = Annotated[
         show_envvar=False,
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+
+def _json_mode(value: bool) -> bool:
+    render.JSON = value  # the events the command's layers emit on their own (spark) follow it
+    return value
+
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document instead of tables.", callback=_json_mode)
+]
 # `copy` and `snapshot` once refused a federated queue without it; a federated queue is now read
 # without pulling from its upstream, and scripts that pass it keep working (it changes nothing)
 FederatedOpt = Annotated[bool, typer.Option("--federated", hidden=True)]
@@ -109,6 +120,15 @@ SparkRemote = Annotated[
         "--spark-remote",
         envvar="FERRY_SPARK_REMOTE",
         help="Spark Connect URL sc://host:port (from the environment, a ;token= stays off the command line).",
+    ),
+]
+SparkArchive = Annotated[
+    str | None,
+    typer.Option(
+        "--spark-archive",
+        envvar="FERRY_SPARK_ARCHIVE",
+        help="With --spark-master: a packed Python environment with ferry (venv-pack, conda-pack) for the "
+        "executors, instead of the zip ferry ships them.",
     ),
 ]
 

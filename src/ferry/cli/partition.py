@@ -14,6 +14,7 @@ from ferry.cli.options import (
     AccountOpt,
     JsonOpt,
     MetricsPortOpt,
+    SparkArchive,
     SparkMaster,
     SparkRemote,
     TopologyOpt,
@@ -185,6 +186,7 @@ def partition_apply(
     account: AccountOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     metrics_port: MetricsPortOpt = None,
     as_json: JsonOpt = False,
@@ -196,7 +198,13 @@ def partition_apply(
 
     pmap = pt.load_map(file)
     topo = open_topology(topology).in_account(account)
-    spark = factory(spark_master, spark_remote, app_name=f"ferry partition apply {pmap.name}", data_sources=False)
+    spark = factory(
+        spark_master,
+        spark_remote,
+        archive=spark_archive,
+        app_name=f"ferry partition apply {pmap.name}",
+        data_sources=False,
+    )
     with contextlib.ExitStack() as bar:  # a progress bar while a moving pattern's history is copied
         advance: list[Callable[[int], None]] = []
 

@@ -10,7 +10,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from ferry.cli.options import FederatedOpt, JsonOpt, SparkMaster, SparkRemote, TopologyOpt, open_topology, run
+from ferry.cli.options import (
+    FederatedOpt,
+    JsonOpt,
+    SparkArchive,
+    SparkMaster,
+    SparkRemote,
+    TopologyOpt,
+    open_topology,
+    run,
+)
 from ferry.cli.render import busy, err, out, print_json, progress_bar, utc_time
 
 
@@ -117,6 +126,7 @@ def snapshot_cmd(
     federated: FederatedOpt = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -126,7 +136,9 @@ def snapshot_cmd(
 
     topo = open_topology(topology)
 
-    spark = factory(spark_master, spark_remote, app_name="ferry snapshot", data_sources=False)
+    spark = factory(
+        spark_master, spark_remote, archive=spark_archive, app_name=f"ferry snapshot {source}", data_sources=False
+    )
 
     result = snapshot(topo, spark, source, out_dir, progress=lambda n: progress_bar(n, "snapshot", enabled=not as_json))
     if as_json:
@@ -165,6 +177,7 @@ def audit_cmd(
     max_dup: Annotated[int, typer.Option(min=0, help="Exit non-zero when more duplicate copies exist.")] = 0,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -195,7 +208,8 @@ def audit_cmd(
     spark = get_session(
         master=spark_master,
         remote=spark_remote,
-        app_name="ferry audit",
+        archive=spark_archive,
+        app_name=f"ferry audit {' '.join(tiers)}",  # the tiers' names
         light_jvm=rows < FULL_JVM_ROWS,
         data_sources=False,
     )

@@ -75,6 +75,24 @@ def progress_bar(total: int, what: str, enabled: bool = True) -> Iterator[Callab
         yield advance
 
 
+JSON = False  # this command was given --json (options.JsonOpt sets it)
+
+
+def spark_event(info: dict[str, Any]) -> None:
+    """A Spark session began: with --json always (its application id), else on a cluster only."""
+    if JSON:
+        json_event("spark", **info)
+    elif "shipped" in info:
+        shipped = info["shipped"]
+        zipped = f"ferry shipped ({shipped['bytes'] / 1e6:.1f} MB)" if "zip" in shipped else "its --spark-archive"
+        where = info.get("master") or info.get("remote")
+        err.print(
+            f"spark: {info.get('app_id', '?')} on {where}; {zipped}, executors checked in {shipped['ship_s']:.1f}s",
+            highlight=False,
+            markup=False,
+        )
+
+
 def json_event(event: str, **data: Any) -> None:
     err.print(json.dumps({"event": event, "t": round(time.time(), 3), **data}, default=str), highlight=False)
 

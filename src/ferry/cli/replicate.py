@@ -14,6 +14,7 @@ from ferry.cli.options import (
     AccountOpt,
     JsonOpt,
     MetricsPortOpt,
+    SparkArchive,
     SparkMaster,
     SparkRemote,
     TopologyOpt,
@@ -79,6 +80,7 @@ def replicate_run(
     metrics_port: MetricsPortOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
@@ -90,7 +92,7 @@ def replicate_run(
     topo = open_topology(topology).in_account(account)
     metrics = rp.Metrics(metrics_port, account) if metrics_port else None
 
-    spark = factory(spark_master, spark_remote, app_name=f"ferry relay {source} to {to}")
+    spark = factory(spark_master, spark_remote, archive=spark_archive, app_name=f"ferry relay {source} to {to}")
 
     emit = json_event if as_json else plain_event
     state = run(rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics).run())
@@ -227,6 +229,7 @@ def site_failback(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be reconciled.")] = False,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
+    spark_archive: SparkArchive = None,
     account: AccountOpt = None,
     topology: TopologyOpt = None,
     as_json: JsonOpt = False,
@@ -237,7 +240,9 @@ def site_failback(
     from ferry.jobs import replicate as rp
     from ferry.spark.session import factory
 
-    spark = factory(spark_master, spark_remote, app_name=f"ferry site failback to {to}", data_sources=False)
+    spark = factory(
+        spark_master, spark_remote, archive=spark_archive, app_name=f"ferry site failback to {to}", data_sources=False
+    )
 
     emit = json_event if as_json else plain_event
     try:

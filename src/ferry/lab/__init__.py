@@ -12,6 +12,8 @@ Profiles:
 - ``sites``: two independent NATS deployments nyc and sfo (one server each)
 - ``rabbit-dr``: three independent RabbitMQ nodes art, pc1 and ltm
 - ``rabbit-cluster``: one RabbitMQ cluster ``rabbits`` of three nodes
+- ``spark``: a Spark standalone master, two workers whose executors run a bare Python (no ferry)
+  and a Spark Connect server on them (:mod:`ferry.lab.spark`)
 
 ``up(profile, haproxy=True)`` adds ``ferry serve`` and a real HAProxy in front of
 every cluster's client (NATS or AMQP) and MQTT ports, health-checked through
@@ -39,6 +41,7 @@ from ferry.lab import nats as lab_nats
 from ferry.lab import prometheus as lab_prometheus
 from ferry.lab import rabbitmq as lab_rabbit
 from ferry.lab import secure as lab_secure
+from ferry.lab import spark as lab_spark
 from ferry.lab.procs import Proc, free_ports, port_open, stop_all
 from ferry.topology import lab_root
 
@@ -49,6 +52,7 @@ PROFILES = {
     "sites": "two independent NATS deployments nyc and sfo",
     "rabbit-dr": "three independent RabbitMQ nodes: art (upstream), pc1 (main), ltm (DR)",
     "rabbit-cluster": "one RabbitMQ cluster 'rabbits' of 3 nodes",
+    "spark": "a Spark standalone master, 2 workers (bare Python: no ferry) and a Spark Connect server",
 }
 
 
@@ -60,6 +64,7 @@ class LabState(BaseModel):
     procs: list[Proc] = []
     lb: dict = {}  # with HAProxy: serve, stats, token_file, clusters -> {nats or amqp, mqtt} URLs
     secure: bool = False  # TLS on every port; NATS in operator mode (lab.secure)
+    spark: dict = {}  # profile spark: master, master_ui, workers_ui, connect, python, env_file
 
     @property
     def path(self) -> Path:
@@ -85,6 +90,8 @@ class LabState(BaseModel):
             out |= lab_rabbit.health([lab_rabbit.RabbitNode(**n) for n in self.rabbit], password)
         if self.lb:
             out |= _lb_health(self)
+        if self.spark:
+            out |= lab_spark.health(self.spark)
         for p in self.procs:
             if p.name in out and not p.alive():
                 out[p.name] = "not running"
@@ -117,6 +124,8 @@ def up(
     AMQP and management listeners."""
     if profile not in PROFILES:
         raise ConfigError(f"unknown lab profile {profile!r} (known: {', '.join(PROFILES)})")
+    if profile == "spark" and (haproxy or secure):
+        raise ConfigError("lab spark has no brokers: --haproxy and --secure are for the broker profiles")
     root = root or lab_root()
     state = load_state(profile, root)
     if state and haproxy and not state.lb:
@@ -180,6 +189,10 @@ def _build(profile: str, state: LabState, pdir: Path, secret: Callable[[str], st
         state.nats.append([asdict(s) for s in servers])
         state.procs += lab_nats.make_procs(servers, pdir, secret("app"), secret("sys"), sec)
         sites["sc"] = {"clusters": {c: lab_nats.topology_cluster(servers, c, sdir, sec) for c in ("east", "west")}}
+    elif profile == "spark":
+        ports = dict(zip(lab_spark.PORTS, free_ports(len(lab_spark.PORTS)), strict=True))
+        procs, state.spark = lab_spark.make_procs(pdir, ports, lab_spark.worker_python())
+        state.procs += procs
     elif profile == "sites":
         planned = lab_nats.plan_servers({"nyc": 1, "sfo": 1}, tls_dir)  # in one plan: no port handed out twice
         for site in ("nyc", "sfo"):
@@ -365,6 +378,7 @@ def status(root: Path | None = None) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for state in running_profiles(root):
         health = state.health()
+        executors = lab_spark.executors(state.spark) if state.spark else {}
         for p in state.procs:
             ports = _ports(state, p.name)
             rows.append(
@@ -377,6 +391,7 @@ def status(root: Path | None = None) -> list[dict[str, object]]:
                     "ports": ports,
                     "health": health.get(p.name, "ok" if p.alive() else "not running"),
                     "log": p.log,
+                    **({"executors": executors[p.name]} if p.name in executors else {}),  # [{app_id, app, ...}]
                 }
             )
     return rows
@@ -397,6 +412,12 @@ def _ports(state: LabState, name: str) -> dict[str, int]:
         return {**fronts, "stats": urlsplit(lb["stats"]).port or 0}
     if name == "prometheus" and "prometheus" in lb:
         return {"http": urlsplit(lb["prometheus"]).port or 0}
+    if proc.kind == "spark":
+        sp = state.spark
+        urls = {"spark-master": {"spark": sp["master"], "ui": sp["master_ui"]}}
+        urls["spark-connect"] = {"grpc": sp["connect"]}
+        urls |= {f"spark-worker-{i}": {"ui": ui} for i, ui in enumerate(sp["workers_ui"], 1)}
+        return {k: urlsplit(u).port or 0 for k, u in urls.get(name, {}).items()}
     return {}
 
 

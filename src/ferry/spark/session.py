@@ -5,10 +5,10 @@
 - ``master="spark://host:7077"`` (or yarn, k8s): a Spark cluster;
 - ``remote="sc://host:15002"``: a Spark Connect server.
 
-Executors import ``ferry`` by name (data sources are pickled by reference), so
-on a cluster or Connect server ferry must be installed in the executors'
-Python (``pip install ferry-mq``); the topology's credentials must be readable
-there too (the same environment variables or secret files).
+Executors import ``ferry`` by name (data sources are pickled by reference): on a
+cluster or Connect server the session ships ferry to them first
+(:mod:`ferry.spark.ship`). The topology's credentials must be readable there too
+(the same environment variables or secret files).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ferry.errors import ConfigError, FerryError, redact
+from ferry.spark import listeners, ship
 
 __all__ = ["get_session", "register", "spark_error"]
 
-_LOCAL_CONF = {
-    "spark.ui.enabled": "false",
+# offline-safe: a local session listens on loopback only and serves no UI
+_LOCAL_ONLY = {"spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+_CONF = {
     "spark.ui.showConsoleProgress": "false",
-    "spark.driver.host": "127.0.0.1",
-    "spark.driver.bindAddress": "127.0.0.1",
     "spark.sql.shuffle.partitions": "8",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.worker.reuse": "true",
@@ -49,7 +49,8 @@ _LOCAL_CONF = {
     "spark.driver.memory": "2g",
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.log.level": "FATAL",
-    # a data source's read() that raises is a failed task; don't retry silently
+    # a data source's read() that raises is a failed task; don't retry silently (a task whose
+    # executor was lost, its worker killed, is not counted and runs again elsewhere)
     "spark.task.maxFailures": "1",
 }
 
@@ -64,6 +65,7 @@ _FULL_JVM = "-XX:+UseParallelGC"
 # JVM warnings (class data sharing's among them) go to stderr, i.e. the Spark log, not stdout
 _JVM_LOG = "-Xlog:disable -Xlog:all=warning:stderr"
 
+_USER_PYTHON = os.environ.get("PYSPARK_PYTHON")  # the executors' Python on a cluster, as Spark reads it
 _remote_sessions: list[Any] = []  # this process's Spark Connect sessions: their jobs run on the server
 _interrupted = threading.Event()  # Ctrl-C: no Spark job of this process begins or goes on
 
@@ -132,6 +134,7 @@ def get_session(
     app_name: str = "ferry",
     light_jvm: bool = True,
     data_sources: bool = True,
+    archive: str | None = None,
     **conf: Any,
 ) -> Any:
     """A SparkSession with ferry's data sources registered: the one way every ferry job starts Spark.
@@ -141,7 +144,9 @@ def get_session(
     ``$FERRY_SPARK_REMOTE``). ``light_jvm`` (local driver only): a JVM tuned for moving data;
     pass False for jobs that compute in the JVM (the audit). ``data_sources=False``: for jobs
     that read with none (the queue mover); registering them sets up Spark SQL's session state,
-    about a second of the start-up here.
+    about a second of the start-up here. ``archive`` (default ``$FERRY_SPARK_ARCHIVE``): a packed
+    Python environment with ferry for a cluster's executors instead of the zip ferry ships
+    (:mod:`ferry.spark.ship`).
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -150,7 +155,20 @@ def get_session(
         master, remote = os.environ.get("FERRY_SPARK_MASTER") or None, os.environ.get("FERRY_SPARK_REMOTE") or None
     if master and remote:
         raise ConfigError("give --spark-master or --spark-remote (or FERRY_SPARK_REMOTE), not both")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    local = ship.is_local(master, remote)
+    archive = archive or os.environ.get("FERRY_SPARK_ARCHIVE") or None
+    if archive:
+        if local or remote:
+            raise ConfigError("--spark-archive is for a cluster's executors: give --spark-master spark://... too")
+        if not Path(archive).is_file():
+            raise ConfigError(f"--spark-archive {archive}: no such file")
+        conf.setdefault("spark.archives", f"{Path(archive).resolve()}#{ship.ARCHIVE_ALIAS}")
+    # local executors run this very interpreter; a cluster's run what Spark is told (or python3)
+    python = sys.executable if local else _USER_PYTHON or (archive and f"./{ship.ARCHIVE_ALIAS}/bin/python")
+    if python:
+        os.environ["PYSPARK_PYTHON"] = python
+    else:
+        os.environ.pop("PYSPARK_PYTHON", None)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if remote:
         if not remote.startswith("sc://"):
@@ -158,7 +176,8 @@ def get_session(
         _reachable(remote)
         builder = SparkSession.builder.remote(remote).appName(app_name)
     else:
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        if local:
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         log4j = Path(__file__).with_name("log4j2.properties")
         launching = SparkContext._gateway is None  # else this process has its JVM already
         java = " ".join(
@@ -169,7 +188,8 @@ def get_session(
         options = {
             "spark.master": master or "local[*]",
             "spark.app.name": app_name,
-            **_LOCAL_CONF,
+            **_CONF,
+            **(_LOCAL_ONLY if local else {}),
             "spark.driver.extraJavaOptions": java,
             **conf,
         }
@@ -178,7 +198,10 @@ def get_session(
             builder = builder.config(key, value)
     try:
         if not remote and launching:
-            _launch_jvm(options)
+            # the Python that Spark starts on the driver to plan a read of ferry's data sources
+            # (a streaming read's source above all) runs what the executors run: it finds the
+            # shipped ferry on the JVM's PYTHONPATH
+            _launch_jvm(options, None if local or archive else ship.archive())
         spark = builder.getOrCreate()
     except Exception as exc:  # the JVM failed to start or the remote is unreachable
         where = remote or master or "local[*]"
@@ -189,8 +212,21 @@ def get_session(
         _remote_sessions.append(spark)
     if _interrupted.is_set():  # Ctrl-C came while the JVM started: no job begins
         raise KeyboardInterrupt
+    where = {"remote": redact(remote)} if remote else {"master": master or "local[*]"}
+    info: dict[str, Any] = {"app_name": app_name, **where}
+    if not local:
+        try:
+            info["shipped"] = ship.ship(spark, archive)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                spark.stop()  # a cluster's cores go back at once
+            raise
     if data_sources:
         register(spark)
+    with contextlib.suppress(Exception):  # a Connect server that does not say
+        info["app_id"] = spark.conf.get("spark.app.id")
+    for listener in listeners:
+        listener(info)
     return spark
 
 
@@ -253,10 +289,11 @@ def _prune_logs(folder: Path) -> None:
             old.unlink()
 
 
-def _launch_jvm(options: dict[str, str]) -> None:
+def _launch_jvm(options: dict[str, str], shipped: Path | None = None) -> None:
     """Start the driver JVM with its stderr, which every Python worker it forks inherits, in the
     Spark log. Only the JVM's: other threads keep reporting on this process's own stderr while
-    it starts."""
+    it starts. `shipped` (a cluster's zip of ferry) goes on the Python path of the workers the
+    JVM forks on this machine."""
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
@@ -265,10 +302,17 @@ def _launch_jvm(options: dict[str, str]) -> None:
     with contextlib.suppress(OSError):  # a log that vanished meanwhile (another ferry pruned it)
         _prune_logs(log.parent)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    before = os.environ.get("PYTHONPATH")
+    if shipped:  # launch_gateway hands the JVM this process's environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shipped), before]))
     try:
         gateway = launch_gateway(SparkConf(loadDefaults=False).setAll(options.items()), popen_kwargs={"stderr": fd})
     finally:
         os.close(fd)
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
     SparkContext._ensure_initialized(gateway=gateway)
 
 

@@ -286,6 +286,7 @@ def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_
     asyncio.run(unchanged())
 
 
+@pytest.mark.cluster  # its copies on the spark lab's workers, which have never seen ferry
 def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_switch(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:

@@ -3,7 +3,8 @@ taking over a killed relay and the failover/failback under load stand for them):
 relay's host stops answering for longer than its lease (its process group SIGSTOPped, as a host
 that loses its network or freezes), the standby takes over, and then the first comes back
 (SIGCONT) with a micro-batch in flight; `site failover` and `site failback` SIGKILLed at each
-step they report, then run again. Every acked id is counted here: each once (issue 49)."""
+step they report, then run again; the relay's executor lost with its worker on the spark lab's
+cluster (issue 48). Every acked id is counted here: each once (issue 49)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,31 @@ def test_site_failover_and_failback_killed_at_each_step_then_run_again(
             nyc.start()
             sites.save()
         ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", "--wait", "0", topology=topology)
+
+
+@pytest.mark.cluster
+def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
+    topology: Path, tmp_path: Path, spark_cluster: lab.LabState
+) -> None:
+    """The relay on the spark lab's cluster; the worker running its executor SIGKILLed (JVM,
+    executor, Python workers) and started again: the micro-batch in flight runs again elsewhere,
+    and what it had written already is not written twice."""
+    from ferry.lab import spark as lab_spark
+
+    topo = load_topology(topology)
+    define(topology, "EXECKILL")
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    try:
+        relay.event("relaying")
+        producers = load(topology, "nyc", "execkill.{n}", tmp_path / "ledger", 2000, 15)
+        wait_for(lambda: stream_count(topo, "sfo", "EXECKILL") > 5000, 60, "relaying")
+        running = lab_spark.executors(spark_cluster.spark)
+        (worker, *_) = [w for w, ex in running.items() if any(e["app"].startswith("ferry relay") for e in ex)]
+        spark_cluster.proc(worker).kill()
+        lab.up("spark", spark_cluster.path.parent, log=lambda _: None)  # back, empty
+        summary = finished(producers)
+        n = same_count(topo, "EXECKILL")
+        exactly_once(topo, "sfo", "EXECKILL", [tmp_path / "ledger"])
+        assert n >= summary["acked"] > 20_000, (n, summary)
+    finally:
+        relay.close()

@@ -76,6 +76,7 @@ def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") 
     ferry("replicate", "start", "--from", source, "--to", dest, "--streams", stream, topology=topology, check=True)
 
 
+@pytest.mark.cluster  # the relay's executors: the spark lab's workers, which have never seen ferry
 def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path, spark: Any) -> None:
     topo = load_topology(topology)
     define(topology, "RATE")
@@ -268,6 +269,7 @@ async def _failback_held(topo: Any) -> bool:
         return await KvJournal(nc, "site-failback").open() is not None
 
 
+@pytest.mark.cluster  # the relay and the fail-back's reconciliation on the spark lab's workers
 def test_site_failover_and_failback_keep_every_acked_message_once(
     sites: lab.LabState, topology: Path, tmp_path: Path, spark: Any
 ) -> None:
