@@ -283,6 +283,13 @@ def spark_connect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _stop("spark_connect")
 
 
+@pytest.fixture
+def spark_at(request: pytest.FixtureRequest) -> str:
+    """Where a test of ``helpers.also_on_the_spark_lab`` runs its Spark jobs (its ``cluster`` cell
+    has the mark that sends them to the spark lab)."""
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _spark_jobs_on_the_lab(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests marked ``connect``: their ferry commands find the Connect server in the environment;

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from nats.js.api import Placement, StreamConfig
 
 from ferry.brokers import nats as bnats
@@ -27,6 +28,15 @@ from ferry.brokers.rabbitmq.queue_io import snapshot_queue
 from ferry.topology import Topology, load_topology
 
 FERRY = [sys.executable, "-m", "ferry"]
+
+
+def also_on_the_spark_lab(test: Callable[..., Any]) -> Callable[..., Any]:
+    """The test as it is and, as a cell of ``make test-faults``, again with its ferry commands'
+    Spark jobs on the ``spark`` lab's standalone cluster (mark ``cluster``: workers that have never
+    seen ferry). One such test per Spark job (issue 48); ``make test`` runs the copy's there."""
+    cluster = pytest.param("cluster", marks=[pytest.mark.cluster, pytest.mark.faults])
+    test = pytest.mark.usefixtures("spark_at")(test)
+    return pytest.mark.parametrize("spark_at", ["here", cluster], indirect=True)(test)
 
 
 def cmdlines_while(proc: subprocess.Popen, timeout: float) -> set[str]:

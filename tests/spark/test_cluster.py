@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from ferry import lab
 from ferry.lab import spark as lab_spark
 from ferry.lab.spark import worker_python
 from tests.conftest import profile_topology
-from tests.helpers import FERRY, ferry, fill_stream, make_stream, read_stream, stream_count
+from tests.helpers import FERRY, ferry, ferry_killed_when, fill_stream, make_stream, read_stream, stream_count
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.cluster]
 
@@ -48,6 +49,12 @@ def test_a_copy_runs_on_workers_that_never_saw_ferry(supercluster: lab.LabState,
     shipped = spark["shipped"]
     assert shipped["zip"].endswith(".zip") and shipped["bytes"] > 1_000_000, shipped
     assert [e["executable"] for e in shipped["executors"]] == [bare], shipped  # the bare Python ran ferry's tasks
+    status = json.loads(
+        ferry("lab", "status", "--json", topology=supercluster.path / "topology.yaml", check=True).stdout
+    )
+    workers = {r["server"]: r for r in status if r["profile"] == "spark" and r["server"].startswith("spark-worker")}
+    assert sorted(workers) == ["spark-worker-1", "spark-worker-2"], status
+    assert all(r["health"] == "ok" and isinstance(r["executors"], list) for r in workers.values()), workers
 
 
 def test_an_executor_whose_python_lacks_pyarrow_is_one_line_naming_its_host(
@@ -64,12 +71,41 @@ def test_an_executor_whose_python_lacks_pyarrow_is_one_line_naming_its_host(
         f"error: Spark executor on {socket.gethostname()} cannot run ferry's tasks: its Python {python} lacks pyarrow"
     ), result.stderr
     assert not out.exists()
+
+
+@pytest.mark.faults  # with the Python without pyarrow in `make test`
+def test_an_executor_python_that_does_not_exist_is_one_line(
+    supercluster: lab.LabState, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    asyncio.run(make_stream(profile_topology(supercluster), "east", "SANOPY", ["sanopy.>"], placement="east"))
     monkeypatch.setenv("PYSPARK_PYTHON", "/nonexistent/python3")
-    result = ferry("copy", "jetstream://east/SANOARROW", f"parquet://{out}", topology=topology)
+    topology = supercluster.path / "topology.yaml"
+    result = ferry("copy", "jetstream://east/SANOPY", f"parquet://{tmp_path / 'out'}", topology=topology)
     assert result.returncode == 2
     assert "error: Spark executor on 127.0.0.1 cannot start /nonexistent/python3" in result.stderr.splitlines()[-1]
 
 
+def test_a_copy_through_the_labs_spark_connect_server(
+    supercluster: lab.LabState, spark_cluster: lab.LabState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--spark-remote to the lab's Connect server, whose executors are the bare workers: ferry goes
+    to them as a session artifact."""
+    monkeypatch.delenv("FERRY_SPARK_MASTER")
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "SACON", ["sacon.>"], placement="east"))
+    asyncio.run(fill_stream(topo, "east", 1000, subject=lambda i: f"sacon.{i % 3}", payload=lambda i: b"c%d" % i))
+    asyncio.run(make_stream(topo, "west", "SACOND", ["c.sacon.>"], placement="west"))
+    remote = spark_cluster.spark["connect"]
+    args = ["jetstream://east/SACON", "jetstream://west/SACOND", "--subject-prefix", "c.", "--spark-remote", remote]
+    result = ferry("copy", *args, "--json", topology=supercluster.path / "topology.yaml", check=True)
+    assert json.loads(result.stdout)["stored"] == 1000
+    rows = asyncio.run(read_stream(topo, "west", "SACOND"))
+    assert sorted(r["payload"] for r in rows) == sorted(b"c%d" % i for i in range(1000))
+    (spark,) = [e for e in events(result.stderr) if e["event"] == "spark"]
+    assert spark["remote"] == remote and spark["shipped"]["executors"][0]["executable"] == spark_cluster.spark["python"]
+
+
+@pytest.mark.faults  # with the copy on the cluster in `make test`
 def test_a_worker_killed_during_a_copy_leaves_every_message_once(
     supercluster: lab.LabState, spark_cluster: lab.LabState
 ) -> None:
@@ -109,6 +145,7 @@ def test_a_worker_killed_during_a_copy_leaves_every_message_once(
     assert report["stored"] + report["duplicates"] >= n, report  # the lost task's messages, written again
 
 
+@pytest.mark.faults  # with the copy on the cluster in `make test`
 def test_a_prepared_environment_goes_to_the_executors_instead_of_the_zip(
     supercluster: lab.LabState, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -146,6 +183,7 @@ def test_a_prepared_environment_goes_to_the_executors_instead_of_the_zip(
     assert all(e["executable"].endswith("/ferry_env/bin/python") for e in spark["shipped"]["executors"]), spark
 
 
+@pytest.mark.faults  # with the copy on the cluster in `make test`
 def test_a_worker_killed_during_an_audit_changes_no_count(spark_cluster: lab.LabState, tmp_path: Path) -> None:
     """bench.audit's data (1,000,000 ledger rows; 250 each lost, duplicated, corrupted and
     unexpected): the worker running the audit's executor SIGKILLed once the job runs; Spark runs
@@ -179,3 +217,27 @@ def test_a_worker_killed_during_an_audit_changes_no_count(spark_cluster: lab.Lab
     t = json.loads(stdout)["tiers"]["t"]
     k = n // 4000
     assert (t["lost"], t["extra_copies"], t["corrupted"], t["unexpected"]) == (k, k, k, k), t
+
+
+@pytest.mark.faults  # with the copy on the cluster in `make test`
+def test_ctrl_c_stops_the_application_on_the_cluster(supercluster: lab.LabState, spark_cluster: lab.LabState) -> None:
+    topo = profile_topology(supercluster)
+    asyncio.run(make_stream(topo, "east", "SAINT", ["saint.>"], placement="east"))
+    asyncio.run(fill_stream(topo, "east", 20_000, subject=lambda i: f"saint.{i % 3}", payload=lambda i: b"i%d" % i))
+    asyncio.run(make_stream(topo, "west", "SAINTD", ["i.saint.>"], placement="west"))
+    code, stderr = ferry_killed_when(
+        lambda: stream_count(topo, "west", "SAINTD") >= 1000,
+        *("copy", "jetstream://east/SAINT", "jetstream://west/SAINTD", "--subject-prefix", "i.", "--rate", "1000"),
+        topology=supercluster.path / "topology.yaml",
+        sig=signal.SIGINT,
+    )
+    assert code == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
+    deadline = time.monotonic() + 30  # the master ends the application and takes its executors back
+    while any(
+        e["app"].startswith("ferry copy") for ex in lab_spark.executors(spark_cluster.spark).values() for e in ex
+    ):
+        assert time.monotonic() < deadline, lab_spark.executors(spark_cluster.spark)
+        time.sleep(0.5)
+    stopped = stream_count(topo, "west", "SAINTD")
+    time.sleep(3)  # at 1,000 msg/s a task still running would add about 3,000
+    assert stream_count(topo, "west", "SAINTD") == stopped < 20_000

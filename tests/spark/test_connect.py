@@ -1,5 +1,4 @@
-"""`--spark-remote`: the same copy through a real Spark Connect server, the ``spark`` lab's, whose
-executors run on workers that have never seen ferry."""
+"""`--spark-remote`: the same copy through a real Spark Connect server."""
 
 from __future__ import annotations
 
@@ -19,13 +18,13 @@ from tests.helpers import ferry, ferry_killed_when, fill_stream, make_stream, re
 pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
 
-def test_copy_through_spark_connect(supercluster: lab.LabState, spark_cluster: lab.LabState, tmp_path: Path) -> None:
+def test_copy_through_spark_connect(supercluster: lab.LabState, spark_connect: str, tmp_path: Path) -> None:
     topo = profile_topology(supercluster)
     topology = supercluster.path / "topology.yaml"
     asyncio.run(make_stream(topo, "east", "SCSRC", ["scsrc.>"], placement="east"))
     asyncio.run(fill_stream(topo, "east", 3000, subject=lambda i: f"scsrc.{i % 3}", payload=lambda i: b"m%d" % i))
     asyncio.run(make_stream(topo, "west", "SCDST", ["sc.scsrc.>"], placement="west"))
-    args = ["--spark-remote", spark_cluster.spark["connect"], "--json"]
+    args = ["--spark-remote", spark_connect, "--json"]
     report = json.loads(
         ferry(
             "copy",
@@ -49,7 +48,7 @@ def test_copy_through_spark_connect(supercluster: lab.LabState, spark_cluster: l
     assert report["stored"] == 3000
 
 
-def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, spark_cluster: lab.LabState) -> None:
+def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, spark_connect: str) -> None:
     """The job runs on the server: Ctrl-C must stop it there too, not only the client (the
     server would otherwise copy on, unwatched, until it finished)."""
     topo = profile_topology(supercluster)
@@ -63,7 +62,7 @@ def test_ctrl_c_stops_the_job_on_the_connect_server(supercluster: lab.LabState, 
         lambda: stream_count(topo, "west", "SCINTD") >= 1000,
         *args,
         "--spark-remote",
-        spark_cluster.spark["connect"],
+        spark_connect,
         topology=topology,
         sig=signal.SIGINT,
     )

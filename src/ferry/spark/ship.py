@@ -24,6 +24,7 @@ otherwise, and nothing is zipped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata as md
 import json
@@ -122,6 +123,7 @@ def _cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ferry" / "ship"
 
 
+@functools.cache  # ferry's files and the installed versions do not change under a running ferry
 def archive() -> Path:
     """The zip of ferry and its executors' dependencies for this environment (built on first use,
     about 2 s; then found by the digest of ferry's files and every installed version)."""

@@ -38,6 +38,7 @@ from ferry.topology import load_topology
 from tests import helpers
 from tests.helpers import (
     acked_ids,
+    also_on_the_spark_lab,
     finish,
     foreign_client,
     judge,
@@ -111,7 +112,7 @@ def test_move_under_load_on_the_secure_lab_loses_nothing(secure: lab.LabState, t
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["unexpected"] == 0, t
 
 
-@pytest.mark.cluster  # the copy and the audit on bare workers: they read the .creds and TLS files themselves
+@also_on_the_spark_lab  # on bare workers: they read the .creds and TLS files themselves
 @pytest.mark.connect
 @pytest.mark.spark
 def test_a_stream_of_the_second_account_is_moved_under_load_copied_and_audited(

@@ -525,6 +525,7 @@ def test_parquet_round_trip_is_byte_identical(
     assert [core(r) for r in a] == [core(r) for r in b]
 
 
+@pytest.mark.connect
 def test_a_backup_restored_into_a_queue_and_back_into_a_stream_keeps_its_order(
     supercluster: lab.LabState, rabbit_dr: lab.LabState, lab_dir: Path, csrc_backup: Path
 ) -> None:

@@ -33,6 +33,7 @@ from tests.conftest import profile_topology
 from tests.helpers import (
     FAILBACK_PANELS,
     FERRY,
+    also_on_the_spark_lab,
     ferry,
     ferry_killed_when,
     panel_queries,
@@ -57,8 +58,13 @@ pytestmark = [pytest.mark.lab, pytest.mark.spark]
 
 @pytest.mark.connect
 @pytest.mark.parametrize(
-    "engine", ["shovel", pytest.param("spark", marks=pytest.mark.cluster)]
-)  # spark: the lab's workers
+    "engine",
+    [
+        "shovel",
+        "spark",
+        pytest.param("spark", id="spark-on-the-spark-lab", marks=[pytest.mark.cluster, pytest.mark.faults]),
+    ],
+)
 def test_failback_moves_every_orphaned_message_and_restores_federation(
     dr: dict[str, Any], tmp_path: Path, engine: str, spark: Any
 ) -> None:
@@ -435,7 +441,7 @@ def test_the_lab_failback_setting_gives_a_failback_to_run(rabbit_dr: lab.LabStat
         asyncio.run(drop())
 
 
-@pytest.mark.cluster  # the snapshot on the spark lab's workers, which have never seen ferry
+@also_on_the_spark_lab
 @pytest.mark.connect
 def test_a_federated_queue_snapshot_keeps_queue_order_and_what_the_queue_held(
     rabbit_dr: lab.LabState, tmp_path: Path

@@ -602,7 +602,8 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
 @pytest.mark.parametrize(
     "kill_when",
     [
-        pytest.param("held", marks=pytest.mark.cluster),  # relocated by the spark lab's workers
+        "held",
+        pytest.param("held", id="held-on-the-spark-lab", marks=[pytest.mark.cluster, pytest.mark.faults]),
         pytest.param("redeclared", marks=pytest.mark.faults),
         pytest.param("stopped", marks=pytest.mark.faults),
         pytest.param("node", marks=pytest.mark.faults),

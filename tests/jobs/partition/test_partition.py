@@ -23,7 +23,17 @@ from ferry.jobs import partition as pt
 from ferry.jobs.partition.claims import claim, open_claims
 from ferry.jobs.partition.map import Partition
 from ferry.jobs.partition.plan import list_streams
-from tests.helpers import FERRY, as_nats_user, ferry, finish, judge, killed_at_event, served, start_load
+from tests.helpers import (
+    FERRY,
+    also_on_the_spark_lab,
+    as_nats_user,
+    ferry,
+    finish,
+    judge,
+    killed_at_event,
+    served,
+    start_load,
+)
 from tests.jobs.partition.setting import Setting, forget
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.connect]
@@ -286,7 +296,7 @@ def test_a_repartition_whose_guard_may_not_listen_is_refused_before_anything_is_
     asyncio.run(unchanged())
 
 
-@pytest.mark.cluster  # its copies on the spark lab's workers, which have never seen ferry
+@also_on_the_spark_lab
 def test_a_repartition_back_within_the_duplicate_window_is_undone_before_the_switch(
     supercluster: lab.LabState, tmp_path: Path
 ) -> None:

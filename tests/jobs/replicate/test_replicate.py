@@ -23,7 +23,18 @@ import pytest
 from ferry import lab
 from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import FERRY, Relay, ferry, judge, load, make_stream, read_stream, stream_count, wait_for
+from tests.helpers import (
+    FERRY,
+    Relay,
+    also_on_the_spark_lab,
+    ferry,
+    judge,
+    load,
+    make_stream,
+    read_stream,
+    stream_count,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]
 
@@ -76,7 +87,7 @@ def define(topology: Path, stream: str, source: str = "nyc", dest: str = "sfo") 
     ferry("replicate", "start", "--from", source, "--to", dest, "--streams", stream, topology=topology, check=True)
 
 
-@pytest.mark.cluster  # the relay's executors: the spark lab's workers, which have never seen ferry
+@also_on_the_spark_lab
 def test_relays_5000_per_second_with_origin_headers_and_no_loss(topology: Path, tmp_path: Path, spark: Any) -> None:
     topo = load_topology(topology)
     define(topology, "RATE")
@@ -132,6 +143,7 @@ def replication(topology: Path, source: str = "nyc", dest: str = "sfo") -> dict[
     return row
 
 
+@pytest.mark.faults  # a second relay cell; `make test` has the killed relay and the failover
 def test_status_tells_a_started_replication_from_a_running_relay(topology: Path, tmp_path: Path) -> None:
     """`start` only defines: no relay runs until `ferry replicate run`, and after `stop` none does."""
     topo = load_topology(topology)
@@ -269,7 +281,7 @@ async def _failback_held(topo: Any) -> bool:
         return await KvJournal(nc, "site-failback").open() is not None
 
 
-@pytest.mark.cluster  # the relay and the fail-back's reconciliation on the spark lab's workers
+@also_on_the_spark_lab  # the relay and the fail-back's reconciliation
 def test_site_failover_and_failback_keep_every_acked_message_once(
     sites: lab.LabState, topology: Path, tmp_path: Path, spark: Any
 ) -> None:
