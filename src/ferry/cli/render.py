@@ -84,7 +84,10 @@ def spark_event(info: dict[str, Any]) -> None:
         json_event("spark", **info)
     elif "shipped" in info:
         shipped = info["shipped"]
-        zipped = f"ferry shipped ({shipped['bytes'] / 1e6:.1f} MB)" if "zip" in shipped else "its --spark-archive"
+        if "zip" in shipped:
+            zipped = f"ferry shipped ({shipped['bytes'] / 1e6:.1f} MB)"
+        else:
+            zipped = "ferry there already" if shipped.get("already") else "its --spark-archive"
         where = info.get("master") or info.get("remote")
         err.print(
             f"spark: {info.get('app_id', '?')} on {where}; {zipped}, executors checked in {shipped['ship_s']:.1f}s",
