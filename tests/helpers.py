@@ -396,12 +396,14 @@ def start_load(
         "--ledger",
         str(ledger),
     ]
-    return subprocess.Popen([*FERRY, *args, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen([*FERRY, *args, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def finish(proc: subprocess.Popen) -> None:
-    _, stderr = proc.communicate(timeout=120)
+def finish(proc: subprocess.Popen) -> str:
+    """Wait for a load to end; its summary (JSON with `--json`)."""
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-2000:]
+    return stdout
 
 
 class Relay:

@@ -129,8 +129,7 @@ def test_a_worker_killed_during_a_copy_leaves_every_message_once(
         while stream_count(topo, "west", "SAKILLD") < 3000:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        running = lab_spark.executors(spark_cluster.spark)
-        (worker, *_) = [w for w, ex in running.items() if any(e["app"].startswith("ferry copy") for e in ex)]
+        (worker, *_) = lab_spark.workers_running(spark_cluster.spark, "ferry copy")
         spark_cluster.proc(worker).kill()  # the worker of the copy's executor (the other may be the Connect server's)
         lab.up("spark", spark_cluster.path.parent, log=lambda _: None)  # back, empty: the lost tasks run again
         stdout, stderr = proc.communicate(timeout=240)
@@ -187,7 +186,8 @@ def test_a_prepared_environment_goes_to_the_executors_instead_of_the_zip(
 def test_a_worker_killed_during_an_audit_changes_no_count(spark_cluster: lab.LabState, tmp_path: Path) -> None:
     """bench.audit's data (1,000,000 ledger rows; 250 each lost, duplicated, corrupted and
     unexpected): the worker running the audit's executor SIGKILLed once the job runs; Spark runs
-    its tasks again and the audit's counts are exact."""
+    its tasks again and the audit's counts are exact. An audit of Parquet files runs no Python on
+    the executors: nothing is shipped to them."""
     from bench.audit import generate
 
     n = 1_000_000
@@ -200,8 +200,7 @@ def test_a_worker_killed_during_an_audit_changes_no_count(spark_cluster: lab.Lab
     try:
         deadline = time.monotonic() + 180
         while True:  # the audit's executor has started (its task has work for seconds yet)
-            running = lab_spark.executors(spark_cluster.spark)
-            busy = [w for w, ex in running.items() if any(e["app"].startswith("ferry audit") for e in ex)]
+            busy = lab_spark.workers_running(spark_cluster.spark, "ferry audit")
             if busy:
                 break
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
@@ -214,6 +213,8 @@ def test_a_worker_killed_during_an_audit_changes_no_count(spark_cluster: lab.Lab
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
+    (spark,) = [e for e in events(stderr) if e["event"] == "spark"]
+    assert spark["app_id"].startswith("app-") and "shipped" not in spark, spark
     t = json.loads(stdout)["tiers"]["t"]
     k = n // 4000
     assert (t["lost"], t["extra_copies"], t["corrupted"], t["unexpected"]) == (k, k, k, k), t
@@ -233,9 +234,7 @@ def test_ctrl_c_stops_the_application_on_the_cluster(supercluster: lab.LabState,
     )
     assert code == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
     deadline = time.monotonic() + 30  # the master ends the application and takes its executors back
-    while any(
-        e["app"].startswith("ferry copy") for ex in lab_spark.executors(spark_cluster.spark).values() for e in ex
-    ):
+    while lab_spark.workers_running(spark_cluster.spark, "ferry copy"):
         assert time.monotonic() < deadline, lab_spark.executors(spark_cluster.spark)
         time.sleep(0.5)
     stopped = stream_count(topo, "west", "SAINTD")

@@ -74,3 +74,36 @@ def test_a_failed_check_is_one_line_naming_the_host(text: str, line: str) -> Non
 def test_only_a_local_master_runs_without_shipping() -> None:
     assert is_local(None, None) and is_local("local[2]", None)
     assert not is_local("spark://h:7077", None) and not is_local(None, "sc://h:15002")
+
+
+def test_a_clusters_own_settings_override_ferrys_tuning_not_its_guarantees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry.spark.session import _CONF, _tuned
+
+    executors = {"spark.executor.extraJavaOptions": "-XX:+UseParallelGC"}
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    assert _tuned(_CONF | executors) == _CONF | executors  # no spark-defaults.conf there
+    (tmp_path / "spark-defaults.conf").write_text(
+        "# the cluster's client settings\n"
+        "spark.executor.extraJavaOptions   -XX:+UseG1GC -Dcorp.proxy=1\n"
+        "spark.sql.shuffle.partitions=64\n"
+        "spark.task.maxFailures: 4\n"
+    )
+    tuned = _tuned(_CONF | executors)
+    assert "spark.executor.extraJavaOptions" not in tuned and "spark.sql.shuffle.partitions" not in tuned
+    assert tuned["spark.task.maxFailures"] == "1"  # a task that raises is ferry's to report, not retried
+
+
+def test_a_cluster_sessions_line_names_its_application_and_what_was_shipped(capsys: pytest.CaptureFixture) -> None:
+    from ferry.cli import render
+
+    render.spark_event({"app_name": "ferry copy a -> b", "master": "local[*]", "app_id": "local-1"})
+    assert capsys.readouterr().err == ""  # on this machine: nothing to say
+    shipped = {"zip": "/x.zip", "bytes": 16_300_000, "ship_s": 4.04, "executors": []}
+    render.spark_event({"master": "spark://m:7077", "app_id": "app-1", "shipped": shipped})
+    render.spark_event({"master": "spark://m:7077", "app_id": "app-2"})
+    assert capsys.readouterr().err.splitlines() == [
+        "spark: app-1 on spark://m:7077; ferry shipped (16.3 MB), executors checked in 4.0s",
+        "spark: app-2 on spark://m:7077; no Python tasks: nothing shipped",
+    ]

@@ -212,6 +212,7 @@ def audit_cmd(
         app_name=f"ferry audit {' '.join(tiers)}",  # the tiers' names
         light_jvm=rows < FULL_JVM_ROWS,
         data_sources=False,
+        python_tasks=needs_topology,  # a stream's tier is read in Python tasks; Parquet files are not
     )
     with busy(f"auditing {len(tiers)} tier(s) against {len(ledgers)} ledger(s) (a Spark job)", not as_json):
         report = audit(

@@ -194,3 +194,8 @@ def executors(info: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
             {"app_id": e["appid"], "executor": str(e["id"]), "app": apps.get(e["appid"], "?")} for e in running
         ]
     return out
+
+
+def workers_running(info: dict[str, Any], app: str) -> list[str]:
+    """The workers with an executor of an application whose name starts with `app` (``ferry copy``)."""
+    return [w for w, ex in executors(info).items() if any(e["app"].startswith(app) for e in ex)]

@@ -70,6 +70,34 @@ _remote_sessions: list[Any] = []  # this process's Spark Connect sessions: their
 _interrupted = threading.Event()  # Ctrl-C: no Spark job of this process begins or goes on
 
 
+def _spark_defaults() -> dict[str, str]:
+    """The settings of the ``spark-defaults.conf`` that spark-submit reads (``$SPARK_CONF_DIR``,
+    else ``$SPARK_HOME/conf``, else pyspark's own): a cluster's client settings."""
+    import pyspark
+
+    home = os.environ.get("SPARK_HOME") or str(Path(pyspark.__file__).parent)
+    path = Path(os.environ.get("SPARK_CONF_DIR") or Path(home) / "conf") / "spark-defaults.conf"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    pairs = (re.match(r"([^\s=:]+)\s*[=:\s]?\s*(.*)", line.strip()) for line in lines)
+    return {m[1]: m[2] for m in pairs if m and not m[1].startswith(("#", "!"))}  # java.util.Properties' syntax
+
+
+# ferry's tuning, which a cluster's own settings (spark-defaults.conf) override: a cluster's
+# executors get the driver's JVM flavour (the audit's 10M rows on the lab's two workers: 58.7 s
+# with the throughput collector, 65 s with G1), unless its settings give them JVM options (two
+# collectors named would stop an executor starting); a larger cluster wants more shuffle partitions
+_TUNING = frozenset({"spark.sql.shuffle.partitions", "spark.driver.memory", "spark.executor.extraJavaOptions"})
+
+
+def _tuned(options: dict[str, str]) -> dict[str, str]:
+    """`options` without the tuning that the user's spark-defaults.conf sets otherwise."""
+    theirs = _TUNING & _spark_defaults().keys()
+    return {k: v for k, v in options.items() if k not in theirs}
+
+
 def _class_archive(light_jvm: bool) -> str:
     """JVM options for class data sharing: the driver maps the classes Spark loads from an
     archive instead of parsing them from jars, 3.5 s or more less per session start here
@@ -135,18 +163,22 @@ def get_session(
     light_jvm: bool = True,
     data_sources: bool = True,
     archive: str | None = None,
+    python_tasks: bool = True,
     **conf: Any,
 ) -> Any:
     """A SparkSession with ferry's data sources registered: the one way every ferry job starts Spark.
 
     Where it runs: `master` (a cluster, ``spark://...``; default ``$FERRY_SPARK_MASTER``, else
     ``local[*]``) or `remote` (a Spark Connect server, ``sc://...``; default
-    ``$FERRY_SPARK_REMOTE``). ``light_jvm`` (local driver only): a JVM tuned for moving data;
-    pass False for jobs that compute in the JVM (the audit). ``data_sources=False``: for jobs
-    that read with none (the queue mover); registering them sets up Spark SQL's session state,
-    about a second of the start-up here. ``archive`` (default ``$FERRY_SPARK_ARCHIVE``): a packed
-    Python environment with ferry for a cluster's executors instead of the zip ferry ships
-    (:mod:`ferry.spark.ship`).
+    ``$FERRY_SPARK_REMOTE``). ``light_jvm`` (the driver's JVM, and a cluster's executors' unless
+    its own settings say otherwise): a JVM tuned for moving data; pass False for jobs that compute
+    in the JVM (the audit). ``data_sources=False``: for jobs that read with none (the queue
+    mover); registering them sets up Spark SQL's session state, about a second of the start-up
+    here. ``archive`` (default ``$FERRY_SPARK_ARCHIVE``): a packed Python environment with ferry
+    for a cluster's executors instead of the zip ferry ships (:mod:`ferry.spark.ship`).
+    ``python_tasks=False``: the session's jobs run no Python on the executors (an audit of Parquet
+    files): nothing is shipped to a cluster or checked there, and its executors start while the
+    driver plans the first job.
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -185,10 +217,11 @@ def get_session(
             + ([_class_archive(light_jvm)] if launching else [])
             + [_LIGHT_JVM if light_jvm else _FULL_JVM]
         )
+        executors = {"spark.executor.extraJavaOptions": _LIGHT_JVM if light_jvm else _FULL_JVM}
         options = {
             "spark.master": master or "local[*]",
             "spark.app.name": app_name,
-            **_CONF,
+            **_tuned(_CONF | ({} if local else executors)),
             **(_LOCAL_ONLY if local else {}),
             "spark.driver.extraJavaOptions": java,
             **conf,
@@ -214,7 +247,7 @@ def get_session(
         raise KeyboardInterrupt
     where = {"remote": redact(remote)} if remote else {"master": master or "local[*]"}
     info: dict[str, Any] = {"app_name": app_name, **where}
-    if not local:
+    if not local and python_tasks:
         try:
             info["shipped"] = ship.ship(spark, archive)
         except BaseException:

@@ -101,11 +101,12 @@ def sparks_own() -> set[str]:
     return _closure({"pyspark"}, extra="sql")
 
 
-def _ferry_files() -> list[Path]:
+def _ferry_files() -> tuple[Path, list[Path]]:
+    """The directory of the ferry this process imports (unpacked, on an executor) and its files."""
     import ferry
 
-    pkg = Path(ferry.__file__).parent
-    return sorted(p for p in pkg.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    pkg = Path(ferry.__path__[0])
+    return pkg, sorted(p for p in pkg.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
 def _distributions() -> list[md.Distribution]:
@@ -128,20 +129,17 @@ def _cache() -> Path:
 def archive() -> Path:
     """The zip of ferry and its executors' dependencies for this environment (built on first use,
     about 2 s; then found by the digest of ferry's files and every installed version)."""
-    h = hashlib.sha256(f"{sys.version}|{platform.machine()}".encode())
-    for d in sorted(md.distributions(), key=lambda d: _key(d.metadata["Name"] or "")):
-        h.update(f"{d.metadata['Name']}=={d.version};".encode())
     import ferry
 
-    pkg = Path(ferry.__file__).parent
-    files = _ferry_files()
-    for f in files:
-        h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes())
+    h = hashlib.sha256(f"{sys.version}|{platform.machine()}|{ferry_digest()}".encode())
+    for d in sorted(md.distributions(), key=lambda d: _key(d.metadata["Name"] or "")):
+        h.update(f"{d.metadata['Name']}=={d.version};".encode())
     path = _cache() / f"ferry-{ferry.__version__}-{h.hexdigest()[:16]}.zip"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    pkg, files = _ferry_files()
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
         for f in files:
             z.write(f, f"ferry/{f.relative_to(pkg)}")
@@ -206,14 +204,13 @@ def _probe(_: Any) -> str:
     return json.dumps(found)
 
 
+@functools.cache
 def ferry_digest() -> str:
-    """The digest of the ferry this process imports (its modules' source): which ferry an executor runs."""
-    import ferry
-
-    root = Path(ferry.__path__[0])
+    """The digest of the ferry this process imports (its files): which ferry an executor runs."""
+    pkg, files = _ferry_files()
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    for f in files:
+        h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 

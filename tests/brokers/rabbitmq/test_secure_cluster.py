@@ -53,7 +53,7 @@ def test_a_node_of_a_secure_cluster_is_evacuated_behind_haproxy(
     queues = [f"sec.evac.{i}" for i in range(2)]
     asyncio.run(make_queues(topo, "rabbits", "/", queues, set(queues)))  # quorum: they outlive the node's leave
     args = ["--producers", "12", "--rate", "300", "--subjects", "2", "--url", state.lb["clusters"]["rabbits"]["amqp"]]
-    load = start_load(topology, "rabbitmq://rabbits/%2F", "sec.evac.{n}", tmp_path / "ledger", 20, *args)
+    load = start_load(topology, "rabbitmq://rabbits/%2F", "sec.evac.{n}", tmp_path / "ledger", 20, "--json", *args)
     try:
         first = topo.rabbitmq("rabbits").brokers[0].node
 
@@ -68,7 +68,7 @@ def test_a_node_of_a_secure_cluster_is_evacuated_behind_haproxy(
         assert result["outcome"] == "evacuated" and result["now"]["connections"] == 0, result
         assert result["evicted"]["connections"] >= 2, result
         wait_for(lambda: _checks(state)["rabbits-1"] != "L7OK", 15, "HAProxy to take rabbits-1 out")
-        finish(load)
+        summary = json.loads(finish(load))
     finally:  # a failed assertion leaves no load running, and the node back in service
         if load.poll() is None:
             load.kill()
@@ -76,7 +76,9 @@ def test_a_node_of_a_secure_cluster_is_evacuated_behind_haproxy(
         ferry("node", "stop", "rabbits-1", topology=topology)
     held = [m["msg_id"] for q in queues for m in asyncio.run(queue_messages(topo, "rabbits", "/", q))]
     acked = acked_ids(tmp_path / "ledger")
-    assert len(held) == len(set(held)) and acked <= set(held) and len(acked) > 500, (len(held), len(acked))
+    assert acked <= set(held) and len(acked) > 500, (len(held), len(acked))
+    # a message whose confirm the closed connection took is sent again (at least once): only those twice
+    assert len(held) - len(set(held)) <= summary["retries"], (len(held), len(set(held)), summary)
     wait_for(lambda: _checks(state)["rabbits-1"] == "L7OK", 30, "HAProxy to take rabbits-1 back")
 
 

@@ -138,8 +138,7 @@ def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
         relay.event("relaying")
         producers = load(topology, "nyc", "execkill.{n}", tmp_path / "ledger", 2000, 15)
         wait_for(lambda: stream_count(topo, "sfo", "EXECKILL") > 5000, 60, "relaying")
-        running = lab_spark.executors(spark_cluster.spark)
-        (worker, *_) = [w for w, ex in running.items() if any(e["app"].startswith("ferry relay") for e in ex)]
+        (worker, *_) = lab_spark.workers_running(spark_cluster.spark, "ferry relay")
         spark_cluster.proc(worker).kill()
         lab.up("spark", spark_cluster.path.parent, log=lambda _: None)  # back, empty
         summary = finished(producers)
