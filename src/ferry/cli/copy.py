@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from ferry.cli.options import FederatedOpt, JsonOpt, SparkArchive, SparkMaster, SparkRemote, TopologyOpt, open_topology
-from ferry.cli.render import err, out, print_json, progress_bar, redelivered_warning
+from ferry.cli.render import err, json_event, out, print_json, progress_bar, redelivered_warning
 
 
 def copy_cmd(
@@ -64,7 +65,9 @@ def copy_cmd(
         else:
             _print_plan(plan.as_dict())
         return
-    if not as_json:
+    if as_json:
+        json_event("plan", **plan.as_dict())
+    else:
         _print_plan(plan.as_dict())
     spark = get_session(
         spark_master,
@@ -77,7 +80,16 @@ def copy_cmd(
         CopyRecord(topo, plan, warn=lambda line: err.print(f"warning: {line}", markup=False)) as record,
         progress_bar(plan.messages, "copying", enabled=not as_json) as advance,
     ):
-        report = run_copy(topo, plan, spark, progress=lambda n: (advance(n), record.progress(n)))
+        said = [0.0]
+
+        def progress(n: int) -> None:
+            advance(n)
+            record.progress(n)
+            if as_json and time.monotonic() - said[0] >= 1.0:  # a line a second at most
+                said[0] = time.monotonic()
+                json_event("progress", messages=n, total=plan.messages)
+
+        report = run_copy(topo, plan, spark, progress=progress)
         record.done(report.as_dict())
     if as_json:
         print_json(report.as_dict())

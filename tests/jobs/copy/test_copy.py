@@ -31,6 +31,7 @@ from tests.helpers import (
     ferry,
     ferry_killed_when,
     fill_stream,
+    killed_at_event,
     make_queues,
     make_stream,
     queue_depth,
@@ -352,11 +353,20 @@ def test_a_sequence_range_copies_exactly_it_and_the_plan_counts_it(
     assert again["messages"] == 0 and "resuming after source sequence 350 (the destination's last)" in again["notes"]
 
 
+# every event a stream copy emits with --json ("progress": once a second at most)
+COPY_EVENTS = [("plan", 1), ("spark", 1), ("progress", 1), ("progress", 3)]
+
+
 # cells of the fault matrix (make test-faults); `make test` kills a queue copy (across vhosts) instead
+@pytest.mark.parametrize(("event", "nth"), COPY_EVENTS)
 @pytest.mark.parametrize("mode", ["ordered", "parallel", "ordered-batched"])
 @pytest.mark.faults
-def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_stream: str, mode: str) -> None:
-    """ordered-batched: into a stream that allows fast batch publishing, which the copy then uses."""
+def test_a_stream_copy_killed_at_every_event_then_run_again(
+    supercluster: lab.LabState, source_stream: str, mode: str, event: str, nth: int
+) -> None:
+    """ferry's process group SIGKILLed at each event of a copy, then the same command: every message
+    once, in order where the mode keeps it; a third run stores nothing. ordered-batched: into a
+    stream that allows fast batch publishing, which the copy then uses."""
     topo = profile_topology(supercluster)
     dest = f"CDST_{mode.upper().replace('-', '_')}"
     prefix = f"{mode}."
@@ -365,22 +375,24 @@ def test_stream_copy_survives_driver_kill(supercluster: lab.LabState, source_str
     topology = supercluster.path / "topology.yaml"
     extra = ["--partitions", "2"] if mode == "parallel" else []
     args = ["copy", "jetstream://east/CSRC", f"jetstream://west/{dest}", "--subject-prefix", prefix, *extra]
-    ferry_killed_when(lambda: stream_count(topo, "west", dest) >= N // 3, *args, "--rate", "4000", topology=topology)
+    killed_at_event(event, nth, *args, "--rate", "4000", topology=topology)
     partial = stream_count(topo, "west", dest)
-    assert N // 3 <= partial < N
+    assert partial < N
     op_id = f"jetstream://east/CSRC -> jetstream://west/{dest}"
-    (killed,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
-    assert killed["state"] == "interrupted" and not killed["driven"], killed  # on record: its ferry died
-    assert killed["detail"].endswith(f"of {N:,} message(s)")
+    if event == "progress":  # on record by then: interrupted, its ferry gone
+        (killed,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
+        assert killed["state"] == "interrupted" and not killed["driven"], killed
+        assert killed["detail"].endswith(f"of {N:,} message(s)")
     report = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     (done,) = [o for o in served(topo, "west") if o["kind"] == "copy" and o["id"] == op_id]
     assert done["state"] == "done" and done["progress"] == 1.0, done
     assert done["detail"] == f"{report['read']:,} of {report['plan']['messages']:,} message(s)", done
     assert report["plan"]["batched"] == batched
-    assert 0 < report["stored"] <= N - partial
+    assert 0 < report["stored"] <= N - partial, (report, partial)
     _check_copy(supercluster, dest, prefix, ordered=mode.startswith("ordered"))
     again = json.loads(ferry(*args, "--json", topology=topology, check=True).stdout)
     assert again["stored"] == 0 and stream_count(topo, "west", dest) == N
+    print(f"fault cell: {json.dumps({'killed_at': f'{event} {nth}', 'partial': partial, 'rerun': report['stored']})}")
 
 
 def test_a_copy_stopped_with_ctrl_c_is_on_record_as_stopped(supercluster: lab.LabState, source_stream: str) -> None:

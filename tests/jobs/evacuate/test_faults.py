@@ -1,9 +1,10 @@
-"""The NATS evacuation's fault matrix on the lab super-cluster (`make test-faults`; in `make test`,
-the evacuation with guarded step-downs and serve's adoption of a CLI evacuation stand for it):
-`ferry node evacuate` SIGKILLed at every state it enters and once its step-down guard has
-reconciled; the lab's `ferry serve` (which shares the CLI's state directory here) adopts it. Under
-core (fire-and-forget) load on the streams the node leads, every message sent is in its stream
-once, and no capture is left (issue 49)."""
+"""The NATS evacuation's and rebalance's fault matrices on the lab super-cluster (`make test-faults`;
+in `make test`, the evacuation with guarded step-downs, serve's adoption of a CLI evacuation and a
+rebalance through HAProxy stand for them): `ferry node evacuate` SIGKILLed at every state it enters
+and once its step-down guard has reconciled; the lab's `ferry serve` (which shares the CLI's state
+directory here) adopts it. Under core (fire-and-forget) load on the streams the node leads, every
+message sent is in its stream once, and no capture is left. `ferry cluster rebalance` SIGKILLed at
+every step, then run again (issue 49)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from ferry import lab
 from tests.conftest import profile_topology
 from tests.helpers import RATE, ferry, finish, judge, killed_at_event, make_stream, start_load, stream_leader, wait_for
+from tests.jobs.evacuate.test_evacuate import api, connections, crowd_of
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
 
@@ -57,3 +59,45 @@ def test_killed_at_every_step_and_adopted_by_serve(
     t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 4, t
     print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')})}")
+
+
+# a rebalance's events up to its last state (waiting_health_check, evicting_conns, waiting_takeover,
+# evicting_sessions), its first connections evicted among them
+REBALANCE_STEPS = [("plan", 1), ("state", 1), ("state", 2), ("evicted", 1), ("state", 3), ("state", 4)]
+
+
+@pytest.mark.parametrize(("event", "nth"), REBALANCE_STEPS, ids=[f"{e}-{n}" for e, n in REBALANCE_STEPS])
+def test_a_rebalance_killed_at_every_step_is_finished_by_a_rerun_or_serve(
+    supercluster: lab.LabState,
+    crowded: Any,
+    clients: Any,
+    tmp_path: Path,
+    spark: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    event: str,
+    nth: int,
+) -> None:
+    """300 JetStream clients crowded on east-2 through HAProxy; `cluster rebalance east --execute`
+    SIGKILLed at each of its steps, then the same command (the lab's `ferry serve` may have adopted
+    it first): the rebalance ends, east-2 is no longer crowded, every acked message is held once,
+    and nothing of it stays on record."""
+    monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])  # serve's, as in the lab
+    topology = supercluster.path / "topology.yaml"
+    crowded("east-2")
+    load = clients(tmp_path / "ledger", 40, f"RBF_{REBALANCE_STEPS.index((event, nth))}")
+    crowd_of(supercluster, load, "east-2")
+    crowded.release()
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
+    args += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--execute"]
+    killed_at_event(event, nth, *args, topology=topology)
+    r = ferry(*args, "--json", topology=topology)  # resumes it, unless serve adopted it first
+    adopted = ("already running", "was taken over by another ferry")
+    assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
+    wait_for(lambda: api(supercluster, "GET", "/rebalances").json() == [], 120, "the rebalance to end")
+    now = connections(supercluster)
+    assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 25, now  # (clients still reconnecting: +5)
+    finish(load)
+    stream = f"jetstream://east/RBF_{REBALANCE_STEPS.index((event, nth))}"
+    t = judge(spark, topology, tmp_path / "ledger", stream, tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
+    print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")

@@ -147,3 +147,31 @@ def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
         assert n >= summary["acked"] > 20_000, (n, summary)
     finally:
         relay.close()
+
+
+# a relay's events up to its steady state: it takes the lease, resumes from the destination, relays
+RELAY_EVENTS = [("active", 1), ("resume", 1), ("relaying", 1)]
+
+
+@pytest.mark.parametrize(("event", "nth"), RELAY_EVENTS, ids=[e for e, _ in RELAY_EVENTS])
+def test_a_relay_killed_at_every_event_then_run_again_relays_each_message_once(
+    topology: Path, tmp_path: Path, event: str, nth: int
+) -> None:
+    """`replicate run` SIGKILLed (driver, JVM, Python workers) at each event on its way to relaying,
+    under load, then started again: the new relay takes the dead one's lease and resumes from what
+    sfo holds; each acked message once."""
+    topo = load_topology(topology)
+    stream = f"RKILL{RELAY_EVENTS.index((event, nth))}"
+    define(topology, stream)
+    producers = load(topology, "nyc", f"{stream.lower()}.{{n}}", tmp_path / "ledger", 2000, 15)
+    killed_at_event(event, nth, "replicate", "run", "--from", "nyc", "--to", "sfo", topology=topology)
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    try:
+        relay.event("relaying", timeout=120)
+        summary = finished(producers)
+        n = same_count(topo, stream)
+        exactly_once(topo, "sfo", stream, [tmp_path / "ledger"])
+        assert n >= summary["acked"] > 20_000, (n, summary)
+    finally:
+        relay.close()
+    print(f"fault cell: {json.dumps({'killed_at': event, 'held': n, 'acked': summary['acked']})}")
