@@ -234,7 +234,7 @@ def get_session(
             # the Python that Spark starts on the driver to plan a read of ferry's data sources
             # (a streaming read's source above all) runs what the executors run: it finds the
             # shipped ferry on the JVM's PYTHONPATH
-            _launch_jvm(options, None if local or archive else ship.archive())
+            _launch_jvm(options, ship.archive() if python_tasks and not (local or archive) else None)
         spark = builder.getOrCreate()
     except Exception as exc:  # the JVM failed to start or the remote is unreachable
         where = remote or master or "local[*]"
