@@ -82,17 +82,22 @@ def spark_event(info: dict[str, Any]) -> None:
     """A Spark session began: with --json always (its application id), else on a cluster only."""
     if JSON:
         json_event("spark", **info)
-    elif info.get("remote") or not str(info.get("master", "")).startswith("local"):
-        where, shipped = info.get("master") or info.get("remote"), info.get("shipped")
-        if shipped is None:
-            how = "no Python tasks: nothing shipped"
-        else:
-            if "zip" in shipped:
-                zipped = f"ferry shipped ({shipped['bytes'] / 1e6:.1f} MB)"
-            else:
-                zipped = "ferry there already" if shipped.get("already") else "its --spark-archive"
-            how = f"{zipped}, executors checked in {shipped['ship_s']:.1f}s"
-        err.print(f"spark: {info.get('app_id', '?')} on {where}; {how}", highlight=False, markup=False)
+        return
+    from ferry.spark.ship import is_local
+
+    if is_local(info.get("master"), info.get("remote")):
+        return
+    shipped = info.get("shipped")
+    if shipped is None:
+        how = "no Python tasks: nothing shipped"
+    elif "zip" in shipped:
+        how = f"ferry shipped ({shipped['bytes'] / 1e6:.1f} MB)"
+    else:
+        how = "ferry there already" if shipped.get("already") else "its --spark-archive"
+    if shipped is not None:
+        how += f", executors checked in {shipped['ship_s']:.1f}s"
+    where = info.get("master") or info.get("remote")
+    err.print(f"spark: {info.get('app_id', '?')} on {where}; {how}", highlight=False, markup=False)
 
 
 def json_event(event: str, **data: Any) -> None:

@@ -84,7 +84,8 @@ def test_a_rebalance_killed_at_every_step_is_finished_by_a_rerun_or_serve(
     monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])  # serve's, as in the lab
     topology = supercluster.path / "topology.yaml"
     crowded("east-2")
-    load = clients(tmp_path / "ledger", 40, f"RBF_{REBALANCE_STEPS.index((event, nth))}")
+    stream = f"RBF_{REBALANCE_STEPS.index((event, nth))}"
+    load = clients(tmp_path / "ledger", 40, stream)
     crowd_of(supercluster, load, "east-2")
     crowded.release()
     args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
@@ -97,7 +98,6 @@ def test_a_rebalance_killed_at_every_step_is_finished_by_a_rerun_or_serve(
     now = connections(supercluster)
     assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 25, now  # (clients still reconnecting: +5)
     finish(load)
-    stream = f"jetstream://east/RBF_{REBALANCE_STEPS.index((event, nth))}"
-    t = judge(spark, topology, tmp_path / "ledger", stream, tmp_path / "audit.html")
+    t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
     print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")
