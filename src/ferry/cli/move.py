@@ -123,6 +123,12 @@ def _print_event(event: str, **data: Any) -> None:
         line = f"{data['at_s']:>6.2f}s peers {ps} last_seq {data['last_seq']:,}"
     elif event == "leader":
         line = f"{data['at_s']:>6.2f}s leader {data['previous']} -> {data['leader']}"
+        if data.get("lost"):
+            line += f" ({data['previous']} does not answer: it died, no step-down)"
+    elif event == "leader_lost":
+        line = (
+            f"{data['server']} died leading the stream: lost inherently, {data['inherent']}; guarded, {data['guarded']}"
+        )
     elif event == "handoff":
         line = f"{data['at_s']:>6.2f}s handoff {data['from']} -> {data['to']} (destination caught up)"
         if data.get("error"):

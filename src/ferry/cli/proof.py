@@ -43,8 +43,9 @@ def load_cmd(
     url: Annotated[
         str | None,
         typer.Option(
-            help="Connect to this URL (e.g. a load balancer), not the topology's brokers; "
-            "RabbitMQ producers reconnect and re-send what was not confirmed."
+            help="Connect to this URL (e.g. a load balancer), not the topology's brokers; NATS takes a "
+            "comma-separated list (the first, then the next on reconnect); RabbitMQ producers reconnect "
+            "and re-send what was not confirmed."
         ),
     ] = None,
     give_up_after: Annotated[

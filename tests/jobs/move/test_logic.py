@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from ferry.brokers.nats.jsapi import Server, ts_ns
 from ferry.headers import REINJECTED
+from ferry.jobs.move import run as move_run
 from ferry.jobs.move.plan import destination_refusal, handoff_candidate
 from ferry.jobs.move.verify import verify
 from ferry.jobs.shared.guard import CAPTURE_SCHEMA, identity, missing, read_captures, unavailable_window
@@ -243,10 +245,8 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
     """`_watch` asks for the step-down only once the destination is ready and the peer's own
     health check passes, names the peer, and asks once."""
     import asyncio
-    from types import SimpleNamespace
 
     from ferry.brokers.nats import jsapi
-    from ferry.jobs.move import run as move_run
 
     ready = [("east-2", True, 0, 0.1), ("west-1", True, 0, 0.2), ("west-2", True, 0, 0.01), ("west-3", True, 0, 0.3)]
     lagging = [ready[0], ("west-1", False, 0, 0.2), ("west-2", True, 0, 0.01), ("west-3", True, 7, 0.3)]
@@ -286,6 +286,11 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
     monkeypatch.setattr(jsapi, "api", api)  # stream_info asks through it
     monkeypatch.setattr(move_run, "ready_to_lead", ready_to_lead)
     monkeypatch.setattr(move_run, "HANDOFF_STEADY_S", 0.05)  # one poll
+
+    async def started(sysnc, server, timeout=1.0):  # each server's start time: none restarted
+        return f"{server} started"
+
+    monkeypatch.setattr(move_run, "_started", started)
     journal = SimpleNamespace(
         state={
             "dest_servers": ["west-1", "west-2", "west-3"],
@@ -306,3 +311,23 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
     assert watched["handoff"]["from"] == "east-1" and watched["handoff"]["to"] == "west-2"
     assert [d["to"] for e, d in events if e == "handoff"] == ["west-2"]
     assert watched["leader_changes"][0]["to"] == "west-2"
+    assert not watched["leader_changes"][0].get("lost")  # a step-down, not a death
+
+
+def test_a_leader_that_died_is_said_once_with_what_its_death_cost() -> None:
+    """The result names what died with a lost leader (inherent) and where the guard listened."""
+    changes = [
+        {"at_s": 1.0, "from": "east-1", "to": "east-2", "lost": True},
+        {"at_s": 2.0, "from": "east-2", "to": "west-1"},  # a step-down: nothing to say
+    ]
+    events: list[tuple[str, dict]] = []
+    guard = SimpleNamespace(server="east-3", deaf_s=0.0)
+    (said,) = move_run._leaders_lost(changes, guard, lambda e, **d: events.append((e, d)))  # type: ignore[arg-type]
+    assert said["server"] == "east-1" and said["guard_on"] == "east-3" and said["at_s"] == 1.0
+    assert "reached only east-1" in said["inherent"] and "deaf" not in said["guarded"]
+    assert events == [("leader_lost", said)]
+    guard.deaf_s = 2.5
+    (said,) = move_run._leaders_lost(changes, guard, lambda e, **d: None)  # type: ignore[arg-type]
+    assert "deaf 2.5s" in said["guarded"]
+    (said,) = move_run._leaders_lost(changes, None, lambda e, **d: None)
+    assert said["guard_on"] is None and said["guarded"].startswith("nothing")

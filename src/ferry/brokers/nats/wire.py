@@ -33,6 +33,7 @@ import json
 import random
 import secrets
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -94,7 +95,13 @@ class Wire:
     HOLD_LIMIT = 8_000_000  # bytes of publishes kept while reconnecting (nats-py keeps 2 MB)
 
     def __init__(
-        self, cluster: NatsCluster, name: str, client_name: str, urls: list[str] | None = None, prefer: str = ""
+        self,
+        cluster: NatsCluster,
+        name: str,
+        client_name: str,
+        urls: list[str] | None = None,
+        prefer: str = "",
+        avoid: str = "",
     ) -> None:
         self.cluster, self.name, self.client_name = cluster, name, client_name
         self.urls = urls or cluster.urls  # e.g. a load balancer's address instead of the servers'
@@ -112,10 +119,21 @@ class Wire:
         self.denied: deque[str] = deque(maxlen=100)  # the server's permission violations (the last ones)
         self._inbox = f"_INBOX.{secrets.token_hex(11)}"
         self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
-        # first the server named `prefer` (a stream's or consumer's leader: no hop between servers for
-        # every message), else any: spread tasks over the servers, as nats-py does
+        self._deaf = 0.0  # seconds between losing a connection and the next one (see deaf_s)
+        self._dropped: float | None = None
+        self.lost: list[str] = []  # the servers whose connection dropped, in order
+        # `urls` given: in their order. Else first the server named `prefer` (a stream's or consumer's
+        # leader: no hop between servers for every message), else any but the one named `avoid` (a
+        # guard's: not the leader that may die with what it alone heard), spreading tasks over the
+        # servers as nats-py does
         names = [b.name for b in cluster.brokers] if not urls else []
-        self._server = names.index(prefer) if prefer in names else random.randrange(len(self.urls))
+        others = [i for i, n in enumerate(names) if n != avoid] if avoid in names and len(names) > 1 else []
+        if urls:
+            self._server = 0
+        elif prefer in names:
+            self._server = names.index(prefer)
+        else:
+            self._server = random.choice(others) if others else random.randrange(len(self.urls))
 
     @classmethod
     async def open(
@@ -126,11 +144,13 @@ class Wire:
         urls: list[str] | None = None,
         timeout: float = 30.0,
         prefer: str = "",
+        avoid: str = "",
     ) -> Wire:
         """A connected Wire (close it when done); to the server named `prefer` first if it is one of
-        the cluster's (the topology's broker names are the servers' ``server_name``)."""
+        the cluster's (the topology's broker names are the servers' ``server_name``), else not to
+        the one named `avoid` while there is another."""
         _collect_less()
-        w = cls(cluster, name or "nats", client_name, urls, prefer)
+        w = cls(cluster, name or "nats", client_name, urls, prefer, avoid)
         await w.connect(timeout)
         return w
 
@@ -143,6 +163,11 @@ class Wire:
     @property
     def is_closed(self) -> bool:
         return self._closed
+
+    @property
+    def deaf_s(self) -> float:
+        """Seconds this connection was down after it first connected (all a subscriber missed)."""
+        return self._deaf + (time.monotonic() - self._dropped if self._dropped is not None else 0.0)
 
     def new_inbox(self) -> str:
         return f"{self._inbox}.{secrets.token_hex(6)}"
@@ -186,10 +211,14 @@ class Wire:
             self._held_size += len(data)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        """Wait until the server has read everything sent so far (a PING answered)."""
+        """Wait until the server has read everything sent so far (a PING answered; while
+        reconnecting, the next server)."""
         pong = asyncio.get_running_loop().create_future()
         self._pongs.append(pong)
-        self._write(b"PING\r\n")
+        if self.is_connected:
+            self._write(b"PING\r\n")
+        else:  # after what is held: answered once the next server has read it
+            self._held.append(b"PING\r\n")
         await asyncio.wait_for(pong, timeout)
 
     async def close(self) -> None:
@@ -243,6 +272,10 @@ class Wire:
             self._held.clear()
             self._held_size = 0
             self._connected = True
+            if self._out:  # _write schedules a send only when its queue was empty: held publishes go now
+                asyncio.get_running_loop().call_soon(self._flush)
+            if self._dropped is not None:
+                self._deaf, self._dropped = self.deaf_s, None
             if not first.done():
                 first.set_result(None)
             try:
@@ -252,6 +285,8 @@ class Wire:
             except Exception as exc:  # a bug (a subscriber's callback, the parser): fail what follows, don't hang
                 self._closed, self.error = True, f"reading failed: {type(exc).__name__}: {exc}"
             self._connected = False
+            self._dropped = time.monotonic()
+            self.lost.append(self.server_name)
             self.server_name = self.server_cluster = ""
             self._out.clear()
             while self._pongs:

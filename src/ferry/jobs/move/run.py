@@ -76,6 +76,8 @@ class MoveResult(Model):
     reinjected: int | None = None
     already_stored: int | None = None  # a producer's own retry got there first (same Nats-Msg-Id)
     unavailable_s: float | None = None
+    guard_deaf_s: float | None = None  # this run's guard: seconds its connection was down
+    leaders_lost: list[dict[str, Any]] = []  # leaders that died meanwhile: what core publishes lost, inherently
     verify: Verification | None = None
     cluster: str | None = None
     peers: list[str] = []
@@ -198,7 +200,8 @@ async def move(
                 cluster, info["config"]["subjects"], capture_dir / f"capture-{os.getpid()}-{int(time.time())}.arrow"
             )
             try:
-                await guard.start(led_in=(info.get("cluster") or {}).get("name", ""), servers=plan.servers)
+                led = info.get("cluster") or {}
+                await guard.start(led_in=led.get("name", ""), servers=plan.servers, avoid=led.get("leader", ""))
                 await journal.save()  # a heartbeat: the guard's start may take seconds
             except BaseException:
                 if not resuming:  # nothing changed yet: a guard refused leaves what was on record before
@@ -206,7 +209,13 @@ async def move(
                     with contextlib.suppress(Exception):
                         await _put_back(journal, prior)
                 raise
-            emit("guard", subjects=info["config"]["subjects"], file=str(guard.path), waited=guard.waited)
+            emit(
+                "guard",
+                subjects=info["config"]["subjects"],
+                file=str(guard.path),
+                waited=guard.waited,
+                server=guard.server,
+            )
             if plan.standby and await _standby_listens(capture_dir, emit):
                 await journal.save(standby_seen=True)  # nothing changes until the standby listens too
         elif req.guard:
@@ -253,6 +262,9 @@ async def move(
             if guard:
                 await guard.stop()
         result["outcome"] = st["outcome"]
+        if guard:
+            result["guard_deaf_s"] = guard.deaf_s
+        result["leaders_lost"] = _leaders_lost(st.get("leader_changes") or [], guard, emit)
         if guard or (capture_dir.exists() and any(capture_dir.glob("capture-*.arrow"))):
             async with _beating(journal):  # a minute at most, and no other ferry adopts the move meanwhile
                 result.update(await reconcile(cluster, nc, req.stream, st, capture_dir, emit))
@@ -339,7 +351,9 @@ async def _watch(
     stop: asyncio.Event | None,
     t0: float,
 ) -> tuple[str, dict[str, Any]]:
-    """Poll the stream until it lives in the destination (or is back in the origin after a cancel)."""
+    """Poll the stream until it lives in the destination (or is back in the origin after a cancel).
+    A leader change whose former leader does not answer the system account, or answers having
+    started since it led, is marked ``lost``: the server died (or was cut off), no step-down."""
     st = journal.state
     dest, origin = set(st["dest_servers"]), set(st["origin_servers"])
     deadline = t0 + req.timeout
@@ -371,9 +385,14 @@ async def _watch(
             leaderless += dt
         if new_leader and new_leader != leader:
             if leader is not None:
-                changes.append({"at_s": round(now - began, 3), "from": leader, "to": new_leader})
-                emit("leader", at_s=round(now - began, 3), leader=new_leader, previous=leader)
+                change = {"at_s": round(now - began, 3), "from": leader, "to": new_leader}
+                started, known = await _started(sysnc, leader), st.get("leader_started")
+                if started is None or (known and started != known):
+                    change["lost"] = True  # no answer, or a server started since it led
+                changes.append(change)
+                emit("leader", at_s=change["at_s"], leader=new_leader, previous=leader, lost=change.get("lost", False))
             leader = st["leader"] = new_leader
+            st["leader_started"] = await _started(sysnc, leader)
         if info:
             placement = info["config"].get("placement") or {}
             if cancelled_at is None and not same_placement(placement, st["placement"]):
@@ -451,6 +470,43 @@ async def _watch(
         "unanswered_s": round(unanswered, 3),
         "moved_in_s": round(now - began, 3),
     }
+
+
+async def _started(sysnc: Client, server: str, timeout: float = 1.0) -> str | None:
+    """When `server` started (its VARZ, through the system account); None when it does not answer."""
+    who = {"server_name": server, "exact_match": True}
+    try:
+        r = await bnats.sys_request(sysnc, "$SYS.REQ.SERVER.PING.VARZ", who, timeout=timeout)
+    except (FerryError, NatsTimeout, TimeoutError):
+        return None
+    return (r.get("data") or {}).get("start")
+
+
+def _leaders_lost(changes: list[dict[str, Any]], guard: Guard | None, emit: Emit) -> list[dict[str, Any]]:
+    """What a leader that died during the move means for core publishes, said once per death:
+    those that reached only the dead server (its buffers, or its own clients' on their way to
+    it) died with it, and no guard on another server can hear them (inherent, as with no move at
+    all); those that reached any other server, the guard heard and re-published where the stream
+    missed them, unless it was deaf itself (its connection down: `guard_deaf_s`)."""
+    lost = []
+    for c in changes:
+        if not c.get("lost"):
+            continue
+        said = {"server": c["from"], "at_s": c["at_s"], "guard_on": guard.server if guard else None}
+        if guard is None:
+            said["guarded"] = "nothing: no guard listened (core publishes around the death are not covered)"
+        else:
+            deaf = f", though it was deaf {guard.deaf_s:.1f}s (its connection down)" if guard.deaf_s else ""
+            said["guarded"] = (
+                f"core publishes that reached any other server: the guard on {guard.server} heard them{deaf}"
+            )
+        said["inherent"] = (
+            f"core publishes that reached only {c['from']} (in its buffers, or its clients' on the way to it) died "
+            "with it: no guard on another server hears them; JetStream publishes unacked are the publishers' to retry"
+        )
+        emit("leader_lost", **said)
+        lost.append(said)
+    return lost
 
 
 async def move_many(

@@ -201,6 +201,8 @@ async def run_load(
     kind, cluster, vhost, account = _parse_target(opts.target)
     if kind == "rabbitmq":
         topology.rabbitmq(cluster)
+        if opts.url and "," in opts.url:
+            raise UsageError("--url: one URL for RabbitMQ (a list is for NATS: the first, then the others)")
     else:
         topology.nats(cluster, account)
         from ferry.subjects import tokens
@@ -355,7 +357,7 @@ class _NatsSender(_Sender):
             self.nats,
             self.cluster,
             f"ferry-load-{self.opts.run}",
-            urls=[self.opts.url] if self.opts.url else None,
+            urls=self.opts.url.split(",") if self.opts.url else None,
             timeout=5,
         )
         if self.js:

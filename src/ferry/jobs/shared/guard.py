@@ -129,8 +129,10 @@ class Guard:
         self._sink: Any = None
         self._flusher: asyncio.Task[None] | None = None
         self.waited = False  # whether start() waited blindly for gateway interest
+        self.server = ""  # the server it listened on (the first)
+        self.deaf_s = 0.0  # seconds its connection was down while it listened: what it cannot have heard
 
-    async def start(self, led_in: str = "", servers: dict[str, dict[str, str]] | None = None) -> None:
+    async def start(self, led_in: str = "", servers: dict[str, dict[str, str]] | None = None, avoid: str = "") -> None:
         """Listen; return once every server that may take a publish passes the subjects on to the guard.
 
         `led_in` names the NATS cluster that leads the stream: when the guard's server is in it,
@@ -140,13 +142,17 @@ class Guard:
         :func:`survey` finds them) is probed too. When one of them cannot be (no URL, no
         connection, no probe heard) or `servers` is not given, the guard waits until 0.3 s have
         passed since it subscribed (`self.waited`), the time gateway interest took on the lab.
+        It listens on a server other than `avoid` (the stream's leader) where the cluster has one:
+        a leader that dies takes with it what only it had heard, and the guard would be deaf until
+        it reconnected.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # messages: for ferry's user only
         self.path.touch(mode=0o600)
         self._sink = pa.OSFile(str(self.path), "wb")
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
         try:
-            self._conn = await Wire.open(self.cluster, client_name="ferry-guard")
+            self._conn = await Wire.open(self.cluster, client_name="ferry-guard", avoid=avoid)
+            self.server = self._conn.server_name
             subscribed = time.monotonic()
             for s in self.subjects:
                 await self._conn.subscribe(s, self._on_msg)
@@ -233,6 +239,7 @@ class Guard:
             with contextlib.suppress(Exception):
                 await self._conn.flush(timeout=5)  # what the server sent before now has been heard
             await self._conn.close()
+            self.deaf_s = round(self._conn.deaf_s, 3)
             self._conn = None
         if self._flusher:
             self._flusher.cancel()

@@ -201,7 +201,8 @@ class NatsNodes(Nodes):
                 (where / SEQ0).write_text(str(info["state"]["last_seq"]))  # first: nothing heard is older
                 capture = where / f"capture-{os.getpid()}.arrow"
                 g = Guard(self.in_account[a.account], info["config"]["subjects"], capture)
-                await g.start(led_in=(info.get("cluster") or {}).get("name", ""))  # stops itself when it fails
+                led = info.get("cluster") or {}
+                await g.start(led_in=led.get("name", ""), avoid=led.get("leader", ""))  # stops itself when it fails
             except (FerryError, TimeoutError, OSError) as exc:  # not allowed to listen, leaderless, ...: said
                 shutil.rmtree(where, ignore_errors=True)
                 emit("warning", message=f"{a.label}: stepped down unguarded: {exc}")
