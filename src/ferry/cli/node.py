@@ -153,6 +153,8 @@ def _print_evacuation(r: dict[str, Any]) -> None:
     if r.get("relocated"):
         moves = ", ".join(f"{x['queue']} -> {x['to']}" for x in r["relocated"])
         out.print(f"classic queues relocated: {moves}", highlight=False)
+    for x in r.get("lost_by_rabbitmq") or []:
+        out.print(f"lost by RabbitMQ: {x['messages']:,} messages of {x['queue']} ({x['note']})", highlight=False)
     if r.get("singles_moved"):
         moved = ", ".join(r["singles_moved"])
         out.print(f"one-replica streams moved (scaled to 2, led elsewhere, back to 1): {moved}", highlight=False)

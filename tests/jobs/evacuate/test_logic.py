@@ -128,3 +128,28 @@ def test_a_dry_run_says_why_it_moves_nothing() -> None:
         why_nothing("leaders", {"a": 4, "b": 4, "c": 3}, 1, 1.0, "sess")
         == "leaders: no whole move brings the counts closer"
     )
+
+
+def test_what_rabbitmq_lost_is_counted_once_its_node_is_back() -> None:
+    """A queue's messages counted on its node before they move, the node dead mid-way and back:
+    RabbitMQ's loss is what it held less what ferry moved less what it holds again; said once."""
+    from types import SimpleNamespace
+
+    from ferry.jobs.evacuate.nodes.rabbitmq import RabbitNodes
+
+    nodes = SimpleNamespace(at_risk={}, lost_by_rabbitmq=[])
+    count = RabbitNodes._at_risk
+    count(nodes, "/", "q", "r1", 3500)  # type: ignore[arg-type]
+    nodes.at_risk[("/", "q")]["moved"] = 500
+    count(nodes, "/", "q", "r1", 3000)  # a later round, its node alive: counted afresh
+    assert (
+        nodes.at_risk[("/", "q")] == {"ready": 3000, "moved": 0, "died": False, "durable": True}
+        and not nodes.lost_by_rabbitmq
+    )
+    nodes.at_risk[("/", "q")].update(moved=1200, died=True)
+    count(nodes, "/", "q", "r1", 800)  # back, holding its persistent messages: 1,000 transient died
+    assert [x["messages"] for x in nodes.lost_by_rabbitmq] == [1000] and "r1 died" in nodes.lost_by_rabbitmq[0]["note"]
+    assert nodes.at_risk[("/", "q")] == {"ready": 800, "moved": 0, "died": False, "durable": True}  # counted afresh
+    nodes.at_risk[("/", "q")].update(moved=800, died=True)
+    count(nodes, "/", "q", "r1", 0)  # all moved before it died: nothing lost, nothing said
+    assert len(nodes.lost_by_rabbitmq) == 1

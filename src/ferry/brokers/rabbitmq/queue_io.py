@@ -203,6 +203,7 @@ class _RabbitSink(_Sink):
         self.conn = await raw_connect(
             RabbitCluster.model_validate_json(self.spec["cluster"]),
             self.spec.get("vhost") or "/",
+            self.spec.get("broker", 0),  # which of the cluster's brokers to publish through
             name=self.spec.get("name", ""),
         )
         self.ch = await self.conn.channel()
@@ -373,6 +374,9 @@ class MoveTask:
     # there but never acked here): a message with one is acked, not published again
     skip_ids: tuple[str, ...] = ()
     all_ids: bool = False  # skip_ids are all there are: a redelivered message with another id is no duplicate
+    # the source queue's node may die meanwhile (an evacuation's relocation): then the task ends with
+    # what the sink confirmed and "source lost: ..." in its errors, instead of failing uncounted
+    source_may_die: bool = False
 
 
 @dataclass
@@ -436,73 +440,88 @@ async def move_queue(task: MoveTask) -> MoveResult:
     try:
         ch = await conn.channel()
         try:
-            result.before = await ch.declare_passive(task.queue)
-        except NotFound:
-            raise NotFound(f"queue {task.queue!r} not found in vhost {task.vhost!r} of {task.name}") from None
-        limit = result.before if task.limit is None else min(task.limit, result.before)
-        if limit > 0:
-            await ch.qos(task.window)
-            await sink.open()
-            unacked: deque[int] = deque()
-
-            def ack_confirmed() -> None:
-                if sink.error:
-                    return
-                last = None
-                while unacked and unacked[0] in sink.confirmed:
-                    last = unacked.popleft()
-                    sink.confirmed.discard(last)
-                if last is not None and not ch.closed:
-                    ch.ack(last, multiple=True)
-
-            sink.notify = ack_confirmed
-            inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
-            ch.on_cancel = lambda: inbox.put_nowait(None)
-            consumer = await ch.consume(task.queue, inbox.put_nowait)
-            pacer = Pacer(task.rate)
-            skip = Counter(task.skip_ids)
-            while result.moved < limit:
-                if sink.error:
-                    raise FerryError(f"moving {source}: {sink.error}")
-                if inbox.empty():
-                    try:
-                        d = await asyncio.wait_for(inbox.get(), task.idle)
-                    except TimeoutError:
-                        await sink.flush()
-                        ack_confirmed()
-                        if await ch.declare_passive(task.queue) == 0:
-                            break  # someone else took the rest
-                        continue
-                else:
-                    d = inbox.get_nowait()
-                if d is None:
-                    break  # the broker cancelled the consumer (queue deleted)
-                unacked.append(d.tag)
-                if skip and skip[d.message_id] > 0:  # already at the destination (flagged redelivered or
-                    # not: a node that crashed before it stored the acks sends them again as new)
-                    skip[d.message_id] -= 1
-                    sink.confirmed.add(d.tag)
-                    ack_confirmed()
-                    result.moved += 1
-                    result.skipped += 1
-                    continue
-                await pacer.wait()
-                result.redelivered += d.redelivered and not (task.all_ids and d.message_id)
-                result.bytes += len(d.body)
-                await sink.put(d, d.tag, source, result.moved)
-                result.moved += 1
-            await ch.cancel(consumer)
-            await sink.flush()
-            ack_confirmed()
+            try:
+                result.before = await ch.declare_passive(task.queue)
+            except NotFound:
+                raise NotFound(f"queue {task.queue!r} not found in vhost {task.vhost!r} of {task.name}") from None
+            limit = result.before if task.limit is None else min(task.limit, result.before)
+            await _move_until(task, ch, sink, source, limit, result)
+        except FerryError as exc:
+            if not task.source_may_die or sink.error:
+                raise
+            if result.moved:  # the sink's node lives: what reached it is confirmed, and counted
+                await sink.flush()
             if sink.error:
-                raise FerryError(f"moving {source}: {sink.error}")
-        result.left = await ch.declare_passive(task.queue)
+                raise FerryError(f"moving {source}: {sink.error}") from None
+            result.errors.append(f"source lost: {exc}")
+            result.left = -1
         result.duplicates = sink.duplicates + result.skipped
     finally:
         await _close_quietly(sink)
         await conn.close()
     result.seconds = time.monotonic() - t0
     return result
+
+
+async def _move_until(task: MoveTask, ch: Any, sink: _Sink, source: str, limit: int, result: MoveResult) -> None:
+    """The body of :func:`move_queue`: `limit` messages (or until the queue is empty) into `sink`."""
+    if limit > 0:
+        await ch.qos(task.window)
+        await sink.open()
+        unacked: deque[int] = deque()
+
+        def ack_confirmed() -> None:
+            if sink.error:
+                return
+            last = None
+            while unacked and unacked[0] in sink.confirmed:
+                last = unacked.popleft()
+                sink.confirmed.discard(last)
+            if last is not None and not ch.closed:
+                ch.ack(last, multiple=True)
+
+        sink.notify = ack_confirmed
+        inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
+        ch.on_cancel = lambda: inbox.put_nowait(None)
+        consumer = await ch.consume(task.queue, inbox.put_nowait)
+        pacer = Pacer(task.rate)
+        skip = Counter(task.skip_ids)
+        while result.moved < limit:
+            if sink.error:
+                raise FerryError(f"moving {source}: {sink.error}")
+            if inbox.empty():
+                try:
+                    d = await asyncio.wait_for(inbox.get(), task.idle)
+                except TimeoutError:
+                    await sink.flush()
+                    ack_confirmed()
+                    if await ch.declare_passive(task.queue) == 0:
+                        break  # someone else took the rest
+                    continue
+            else:
+                d = inbox.get_nowait()
+            if d is None:
+                break  # the broker cancelled the consumer (queue deleted)
+            unacked.append(d.tag)
+            if skip and skip[d.message_id] > 0:  # already at the destination (flagged redelivered or
+                # not: a node that crashed before it stored the acks sends them again as new)
+                skip[d.message_id] -= 1
+                sink.confirmed.add(d.tag)
+                ack_confirmed()
+                result.moved += 1
+                result.skipped += 1
+                continue
+            await pacer.wait()
+            result.redelivered += d.redelivered and not (task.all_ids and d.message_id)
+            result.bytes += len(d.body)
+            await sink.put(d, d.tag, source, result.moved)
+            result.moved += 1
+        await ch.cancel(consumer)
+        await sink.flush()
+        ack_confirmed()
+        if sink.error:
+            raise FerryError(f"moving {source}: {sink.error}")
+    result.left = await ch.declare_passive(task.queue)
 
 
 async def _close_quietly(sink: _Sink) -> None:

@@ -437,7 +437,10 @@ async def _relocate(d: _Driver, nodes: RabbitNodes, queues: list[Asset], up: lis
         return 0
     await journal()
     halt = asyncio.Event()
+    said = len(nodes.lost_by_rabbitmq)
     errors = await d.while_saving(nodes.relocate(moves, d.emit, d.st["rates"].get("relocate_rate"), halt), halt)
+    if lost := nodes.lost_by_rabbitmq[said:]:  # a node died under its queue's relocation: on record
+        d.st.setdefault("lost_by_rabbitmq", []).extend(lost)
     for (a, target), err in zip(moves, errors, strict=True):
         if err:
             d.emit("warning", message=f"{a.label}: relocation to {target} failed: {err}")

@@ -43,6 +43,11 @@ class RabbitNodes(Nodes):
         self.avoid = avoid
         self.m: Management | None = None
         self.spark: Any = None  # a Spark session, started for the first classic queue to relocate
+        # a classic queue's messages on its own node while they are relocated, (vhost, queue) ->
+        # {"ready": counted there, "moved": since, "died": its node died meanwhile}; and what
+        # RabbitMQ itself lost once such a node came back (see _at_risk)
+        self.at_risk: dict[tuple[str, str], dict[str, Any]] = {}
+        self.lost_by_rabbitmq: list[dict[str, Any]] = []
 
     async def __aenter__(self) -> RabbitNodes:
         for b in self.reach_order():
@@ -168,11 +173,15 @@ class RabbitNodes(Nodes):
             if halt and halt.is_set():
                 results.append("stopped")
                 continue
+            said = len(self.lost_by_rabbitmq)
             try:
                 moved = await self._relocate(a, target, rate)
             except Exception as exc:  # a Spark job's failure too: said in one line
                 results.append(await self._why(a, target, exc))
                 continue
+            finally:
+                for lost in self.lost_by_rabbitmq[said:]:
+                    emit("lost_by_rabbitmq", **lost)
             emit("relocated", queue=a.label, to=target, messages=moved)
             results.append("")
         return results
@@ -190,6 +199,8 @@ class RabbitNodes(Nodes):
             nodes = await self.m.get("/nodes", params={"columns": "name,running"})
             running = {n["name"] for n in nodes if n["running"]}
             down += [n for n in (a.leader, target) if self.erlang[n] not in running and n not in down]
+        if a.leader in down and (a.account, a.stream) in self.at_risk:
+            self.at_risk[(a.account, a.stream)]["died"] = True  # what it held is counted once it is back
         if down:
             back = "the queue is relocated once it is back"
             return f"{' and '.join(down)} went down during the relocation ({said}); {back}"
@@ -206,12 +217,23 @@ class RabbitNodes(Nodes):
         here = await m.get(path(name), ok404=True)
         hold = await m.get(path(held), ok404=True)
         if here and here.get("node") == self.erlang[a.leader]:
+            counts = QueueCounts(self.cluster, f"{CONTROL}-relocate")
+            try:  # first, live: the node may die before anything moves
+                self._at_risk(vhost, name, a.leader, await counts.ready(vhost, name), here.get("durable", True))
+            finally:
+                await counts.close()
             if hold is None:
                 hold = await self._declare(vhost, held, here, target)
             await self._rebind(vhost, name, held)
-            await self._drain_into(vhost, name, held, target, rate)  # counted on their way back
-        elif hold is None:
-            return 0  # relocated already
+            await self._drain_into(vhost, name, held, target, rate, on=a.leader)  # counted on their way back
+        else:
+            if (risk := self.at_risk.get((vhost, name))) and risk["died"]:
+                node = await m.get(f"/nodes/{q(self.erlang[a.leader])}", ok404=True)
+                if risk["durable"] or not (node and node.get("running")):  # not listed until recovered
+                    raise BrokerUnavailable(f"{queue_path(vhost, name)} is not back on {a.leader} yet (its node died)")
+                self._at_risk(vhost, name, a.leader, 0, False)  # back without it: a queue not durable dies
+            if hold is None:
+                return 0  # relocated already
         if await m.get(path(name), ok404=True) is None:
             await self._declare(vhost, name, hold, target)
         await self._rebind(vhost, held, name)
@@ -246,16 +268,57 @@ class RabbitNodes(Nodes):
         for b in bindings:
             await self.m.delete(f"/bindings/{q(vhost)}/e/{q(b['source'])}/q/{q(old)}/{q(b['properties_key'])}")
 
-    async def _drain_into(self, vhost: str, source: str, dest: str, target: str, rate: float | None) -> int:
+    def _at_risk(self, vhost: str, queue: str, node: str, ready: int, durable: bool | None = None) -> None:
+        """`queue` holds `ready` messages on `node`, counted live before each step moves them.
+        Counted again after `node` died and came back, the difference is RabbitMQ's own loss: what
+        it held at the last count, less what ferry moved to the holding queue since (confirmed
+        there), less what it holds now. RabbitMQ keeps only the persistent messages of a durable
+        queue across a node's restart; transient ones, and a queue that is not durable, die with
+        the node. (A persistent message moved but whose ack the dead node had not stored comes
+        back and is moved again, a duplicate the count then leaves out: the relocation's window at
+        most; one routed to the queue between the first count and its bindings' move, a moment,
+        is not counted.)"""
+        risk = self.at_risk.get((vhost, queue))
+        if risk and risk["died"]:
+            lost = risk["ready"] - risk["moved"] - ready
+            if lost > 0:
+                self.lost_by_rabbitmq.append(
+                    {
+                        "queue": queue_path(vhost, queue),
+                        "node": node,
+                        "messages": lost,
+                        "note": f"{node} died with them: RabbitMQ keeps only a durable queue's persistent "
+                        "messages across a node's restart (transient ones, and a queue not durable, die with it)",
+                    }
+                )
+        was = risk["durable"] if risk else True
+        self.at_risk[(vhost, queue)] = {
+            "ready": ready,
+            "moved": 0,
+            "died": False,
+            "durable": was if durable is None else durable,
+        }
+
+    async def _drain_into(
+        self, vhost: str, source: str, dest: str, target: str, rate: float | None, on: str | None = None
+    ) -> int:
         """Move `source`'s messages to `dest` with the data plane until `source` is empty, then
-        delete it (only if empty: a publisher may still add to it)."""
+        delete it (only if empty: a publisher may still add to it). `on`: the node `source` lives
+        on, which may die meanwhile (see :meth:`_at_risk`)."""
         from ferry.brokers.rabbitmq.queue_io import MoveTask
         from ferry.spark.tasks import run_moves
 
         assert self.m
         cluster = self.cluster.model_dump_json()
-        sink = {"kind": "rabbitmq", "cluster": cluster, "vhost": vhost, "queue": dest, "name": self.name}
-        index = list(self.brokers).index(target)
+        index = list(self.brokers).index(target)  # read and write through the target: it lives on
+        sink = {
+            "kind": "rabbitmq",
+            "cluster": cluster,
+            "vhost": vhost,
+            "queue": dest,
+            "name": self.name,
+            "broker": index,
+        }
         moved, counts = 0, QueueCounts(self.cluster, f"{CONTROL}-relocate")
         try:
             for _ in range(100):
@@ -263,11 +326,18 @@ class RabbitNodes(Nodes):
                     ready = await counts.ready(vhost, source)
                 except NotFound:
                     return moved
+                if on:
+                    self._at_risk(vhost, source, on, ready)
                 if ready:
                     task = MoveTask(cluster, self.name, vhost, source, sink, f"relocate-{uuid.uuid4().hex[:8]}")
-                    task.broker, task.rate = index, rate
+                    task.broker, task.rate, task.source_may_die = index, rate, on is not None
                     spark = await self._spark()
-                    moved += sum(r.moved for r in await asyncio.to_thread(run_moves, spark, [task]))
+                    (result,) = await asyncio.to_thread(run_moves, spark, [task])
+                    moved += result.moved
+                    if on:  # counted even when the source's node died under the task ("source lost")
+                        self.at_risk[(vhost, source)]["moved"] += result.moved
+                    if result.errors:
+                        raise FerryError(f"moving {queue_path(vhost, source)}: {result.errors[0]}")
                 try:
                     await self.m.request("DELETE", f"/queues/{q(vhost)}/{q(source)}", params={"if-empty": "true"})
                     return moved
