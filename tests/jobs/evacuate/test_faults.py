@@ -4,12 +4,14 @@ rebalance through HAProxy stand for them): `ferry node evacuate` SIGKILLed at ev
 and once its step-down guard has reconciled; the lab's `ferry serve` (which shares the CLI's state
 directory here) adopts it. Under core (fire-and-forget) load on the streams the node leads, every
 message sent is in its stream once, and no capture is left. `ferry cluster rebalance` SIGKILLed at
-every step, then run again (issue 49)."""
+every step, then run again; and the node under evacuation SIGKILLed and restarted (issue 49)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,20 @@ import pytest
 
 from ferry import lab
 from tests.conftest import profile_topology
-from tests.helpers import RATE, ferry, finish, judge, killed_at_event, make_stream, start_load, stream_leader, wait_for
+from tests.helpers import (
+    RATE,
+    ferry,
+    finish,
+    judge,
+    killed_at_event,
+    make_stream,
+    restart_node,
+    start_load,
+    started_json,
+    stream_leader,
+    wait_event,
+    wait_for,
+)
 from tests.jobs.evacuate.test_evacuate import api, connections, crowd_of
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
@@ -101,3 +116,38 @@ def test_a_rebalance_killed_at_every_step_is_finished_by_a_rerun_or_serve(
     t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
     print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")
+
+
+def test_the_node_killed_under_its_own_evacuation_is_waited_for_then_evacuated(
+    supercluster: lab.LabState, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node under evacuation SIGKILLed once the evacuation moves its leaders, started again 3 s
+    later, under JetStream load (retries under the same msg id) through another server: the same
+    `ferry node evacuate` waits for the node, moves off what it leads again and ends prohibiting;
+    every acked message is held once."""
+    monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])  # serve's, as in the lab
+    topology, topo = supercluster.path / "topology.yaml", profile_topology(supercluster)
+    stream = "EVF_NODE"
+    asyncio.run(make_stream(topo, "east", stream, [f"{stream.lower()}.>"], placement="east"))
+    node = asyncio.run(stream_leader(topo, "east", stream))
+    other = next(b.url for b in topo.nats("east").brokers if b.name != node)
+    load = start_load(topology, "jetstream://east", f"{stream.lower()}.{{n}}", tmp_path / "ledger", 20, "--url", other)
+    proc = started_json(
+        "node", "evacuate", node, "--wait-health-check", "1", "--wait-takeover", "1", "--sess-evict-rate", "1",
+        topology=topology,
+    )  # fmt: skip
+    try:
+        wait_event(proc, "state", 4)  # evicting_sessions
+        restart_node(supercluster, node, 3.0)
+        assert proc.wait(timeout=180) == 0
+        result = json.loads(proc.stdout.read())  # type: ignore[union-attr]
+        assert asyncio.run(stream_leader(topo, "east", stream)) != node  # led elsewhere once it came back
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        finish(load)
+        ferry("node", "stop", node, topology=topology)
+    assert result["outcome"] == "evacuated" and result["state"] == "prohibiting", result
+    t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 10, t
+    print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')})}")
