@@ -36,7 +36,7 @@ def test_a_publisher_whose_server_dies_sends_what_it_held_once_back() -> None:
                 await pub.publish(f"held.{i}", str(i).encode())
             server = subprocess.Popen(argv, **quiet)
             await pub.flush(timeout=10)  # answered once the server has read what came before
-            assert pub.deaf_s > 0 and pub.lost, (pub.deaf_s, pub.lost)
+            assert pub.deaf_s > 0
             await pub.close()
             async with httpx.AsyncClient() as http:
                 return (await http.get(f"http://127.0.0.1:{monitor}/varz")).json()["in_msgs"]

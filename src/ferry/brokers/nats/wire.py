@@ -121,7 +121,6 @@ class Wire:
         self.server_name = self.server_cluster = ""  # the server connected to, and its cluster (its INFO)
         self._deaf = 0.0  # seconds between losing a connection and the next one (see deaf_s)
         self._dropped: float | None = None
-        self.lost: list[str] = []  # the servers whose connection dropped, in order
         # `urls` given: in their order. Else first the server named `prefer` (a stream's or consumer's
         # leader: no hop between servers for every message), else any but the one named `avoid` (a
         # guard's: not the leader that may die with what it alone heard), spreading tasks over the
@@ -286,7 +285,6 @@ class Wire:
                 self._closed, self.error = True, f"reading failed: {type(exc).__name__}: {exc}"
             self._connected = False
             self._dropped = time.monotonic()
-            self.lost.append(self.server_name)
             self.server_name = self.server_cluster = ""
             self._out.clear()
             while self._pongs:

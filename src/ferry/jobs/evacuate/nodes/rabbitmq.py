@@ -44,8 +44,8 @@ class RabbitNodes(Nodes):
         self.m: Management | None = None
         self.spark: Any = None  # a Spark session, started for the first classic queue to relocate
         # a classic queue's messages on its own node while they are relocated, (vhost, queue) ->
-        # {"ready": counted there, "moved": since, "died": its node died meanwhile}; and what
-        # RabbitMQ itself lost once such a node came back (see _at_risk)
+        # {"ready": counted there, "moved": since, "died": its node died meanwhile, "durable"}; and
+        # what RabbitMQ itself lost once such a node came back (see _at_risk)
         self.at_risk: dict[tuple[str, str], dict[str, Any]] = {}
         self.lost_by_rabbitmq: list[dict[str, Any]] = []
 
