@@ -565,7 +565,7 @@ async def test_an_evacuation_whose_user_may_not_close_connections_stops_and_says
     ],
 )
 async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_midway(
-    rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str
+    rabbit_cluster: lab.LabState, tmp_path: Path, kill_when: str, request: pytest.FixtureRequest
 ) -> None:
     """A classic queue on the evacuated node ends up on another node with its name, arguments,
     bindings and every message, including those routed to it while it moved; killing ferry
@@ -580,7 +580,7 @@ async def test_rabbitmq_evacuation_relocates_classic_queues_even_when_killed_mid
     state, topology = rabbit_cluster, rabbit_cluster.path / "topology.yaml"
     cluster = profile_topology(state).rabbitmq("rabbits")
     first, other = cluster.brokers[0], cluster.brokers[1]
-    name, args = f"reloc.{kill_when}", {"x-max-length": 100_000}  # the lab is shared: a queue per case
+    name, args = f"reloc.{request.node.callspec.id}", {"x-max-length": 100_000}  # the lab is shared: a queue per case
     held = RELOCATE_PREFIX + name
     conn = await amqp_connect(cluster, first)  # a classic queue lives where it was declared
     ch = await conn.channel(publisher_confirms=True)
