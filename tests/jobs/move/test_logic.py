@@ -287,7 +287,7 @@ def test_watch_hands_off_once_when_the_destination_is_ready(monkeypatch) -> None
     monkeypatch.setattr(move_run, "ready_to_lead", ready_to_lead)
     monkeypatch.setattr(move_run, "HANDOFF_STEADY_S", 0.05)  # one poll
 
-    async def started(sysnc, server, timeout=1.0):  # each server's start time: none restarted
+    async def started(sysnc, server):  # each server's start time: none restarted
         return f"{server} started"
 
     monkeypatch.setattr(move_run, "_started", started)

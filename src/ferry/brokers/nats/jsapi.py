@@ -18,6 +18,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
 
 from ferry.brokers import nats as bnats
 from ferry.errors import BrokerUnavailable, FerryError, NotFound
@@ -107,6 +108,17 @@ async def survey(sysnc: Client, wait: float = 2.0) -> View:
             name, si.get("cluster", ""), si.get("tags") or [], free, offline.get(name, False), urls.get(name, "")
         )
     return View(servers, leader)
+
+
+async def ask_server(sysnc: Client, kind: str, server: str, timeout: float = 1.0, **query: Any) -> dict:
+    """One server's $SYS.REQ.SERVER.PING.<kind> answer (VARZ, JSZ, HEALTHZ ...) through the system
+    account, filtered by `query`; {} when it does not answer in time (down, busy, cut off)."""
+    who = {"server_name": server, "exact_match": True, **query}
+    try:
+        r = await bnats.sys_request(sysnc, f"$SYS.REQ.SERVER.PING.{kind}", who, timeout=timeout)
+    except (FerryError, NatsTimeout, TimeoutError):
+        return {}
+    return r.get("data") or {}
 
 
 # -- stream API (raw JSON: the config round-trips exactly) ---------------------------------------

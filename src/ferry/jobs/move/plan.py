@@ -13,8 +13,7 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from pydantic import Field
 
-from ferry.brokers import nats as bnats
-from ferry.brokers.nats.jsapi import Server, peers, stream_info, survey
+from ferry.brokers.nats.jsapi import Server, ask_server, peers, stream_info, survey
 from ferry.errors import BrokerUnavailable, FerryError, PreflightFailed, UsageError
 from ferry.jobs.shared.models import Model
 from ferry.jobs.shared.states import Machine
@@ -77,16 +76,10 @@ async def ready_to_lead(sysnc: Client, server: str, account: str, stream: str, l
     the Raft log: such a peer is "current" in stream info yet cannot lead at once), and it still
     sees `leader` leading (the server may have handed over itself since stream info answered; a
     second transfer would follow the first)."""
-    who = {"server_name": server, "exact_match": True, "account": account}
-
-    async def ask(kind: str, **q: Any) -> dict:
-        try:
-            r = await bnats.sys_request(sysnc, f"$SYS.REQ.SERVER.PING.{kind}", {**who, **q}, timeout=1.0)
-        except (FerryError, NatsTimeout, TimeoutError):
-            return {}
-        return r.get("data") or {}
-
-    health, jsz = await asyncio.gather(ask("HEALTHZ", stream=stream), ask("JSZ", streams=True))
+    health, jsz = await asyncio.gather(
+        ask_server(sysnc, "HEALTHZ", server, account=account, stream=stream),
+        ask_server(sysnc, "JSZ", server, account=account, streams=True),
+    )
     seen = [
         (d.get("cluster") or {}).get("leader")
         for a in jsz.get("account_details") or []

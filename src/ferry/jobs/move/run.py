@@ -19,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from pydantic import ConfigDict, Field
 
 from ferry.brokers import nats as bnats
-from ferry.brokers.nats.jsapi import account_name, api, paged, peers, stream_info
+from ferry.brokers.nats.jsapi import account_name, api, ask_server, paged, peers, stream_info
 from ferry.errors import BrokerUnavailable, FerryError, NotFound, OperationFailed, PreflightFailed, UsageError
 from ferry.jobs.move.plan import (
     HANDOFF_STEADY_S,
@@ -472,14 +472,9 @@ async def _watch(
     }
 
 
-async def _started(sysnc: Client, server: str, timeout: float = 1.0) -> str | None:
+async def _started(sysnc: Client, server: str) -> str | None:
     """When `server` started (its VARZ, through the system account); None when it does not answer."""
-    who = {"server_name": server, "exact_match": True}
-    try:
-        r = await bnats.sys_request(sysnc, "$SYS.REQ.SERVER.PING.VARZ", who, timeout=timeout)
-    except (FerryError, NatsTimeout, TimeoutError):
-        return None
-    return (r.get("data") or {}).get("start")
+    return (await ask_server(sysnc, "VARZ", server)).get("start")
 
 
 def _leaders_lost(changes: list[dict[str, Any]], guard: Guard | None, emit: Emit) -> list[dict[str, Any]]:
