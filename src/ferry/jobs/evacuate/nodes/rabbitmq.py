@@ -207,6 +207,15 @@ class RabbitNodes(Nodes):
         return said
 
     async def _relocate(self, a: Asset, target: str, rate: float | None) -> int:
+        """Relocate one classic queue (see the module docstring): the messages moved back, each
+        counted once; one connection counts its queues live throughout."""
+        counts = QueueCounts(self.cluster, f"{CONTROL}-relocate")
+        try:
+            return await self._relocate_with(a, target, rate, counts)
+        finally:
+            await counts.close()
+
+    async def _relocate_with(self, a: Asset, target: str, rate: float | None, counts: QueueCounts) -> int:
         assert self.m
         m, vhost, name = self.m, a.account, a.stream
         held = RELOCATE_PREFIX + name
@@ -217,15 +226,12 @@ class RabbitNodes(Nodes):
         here = await m.get(path(name), ok404=True)
         hold = await m.get(path(held), ok404=True)
         if here and here.get("node") == self.erlang[a.leader]:
-            counts = QueueCounts(self.cluster, f"{CONTROL}-relocate")
-            try:  # first, live: the node may die before anything moves
-                self._at_risk(vhost, name, a.leader, await counts.ready(vhost, name), here.get("durable", True))
-            finally:
-                await counts.close()
+            # first, live: the node may die before anything moves
+            self._at_risk(vhost, name, a.leader, await counts.ready(vhost, name), here.get("durable", True))
             if hold is None:
                 hold = await self._declare(vhost, held, here, target)
             await self._rebind(vhost, name, held)
-            await self._drain_into(vhost, name, held, target, rate, on=a.leader)  # counted on their way back
+            await self._drain_into(vhost, name, held, target, rate, counts, on=a.leader)  # counted on their way back
         else:
             if (risk := self.at_risk.get((vhost, name))) and risk["died"]:
                 node = await m.get(f"/nodes/{q(self.erlang[a.leader])}", ok404=True)
@@ -237,7 +243,7 @@ class RabbitNodes(Nodes):
         if await m.get(path(name), ok404=True) is None:
             await self._declare(vhost, name, hold, target)
         await self._rebind(vhost, held, name)
-        return await self._drain_into(vhost, held, name, target, rate)  # every message relocated, once
+        return await self._drain_into(vhost, held, name, target, rate, counts)  # every message relocated, once
 
     async def _declare(self, vhost: str, queue: str, like: dict[str, Any], target: str) -> dict[str, Any]:
         """Declare `queue` like `like` on `target` (through an AMQP connection to that node: RabbitMQ
@@ -300,11 +306,18 @@ class RabbitNodes(Nodes):
         }
 
     async def _drain_into(
-        self, vhost: str, source: str, dest: str, target: str, rate: float | None, on: str | None = None
+        self,
+        vhost: str,
+        source: str,
+        dest: str,
+        target: str,
+        rate: float | None,
+        counts: QueueCounts,
+        on: str | None = None,
     ) -> int:
         """Move `source`'s messages to `dest` with the data plane until `source` is empty, then
-        delete it (only if empty: a publisher may still add to it). `on`: the node `source` lives
-        on, which may die meanwhile (see :meth:`_at_risk`)."""
+        delete it (only if empty: a publisher may still add to it); `counts` counts them live.
+        `on`: the node `source` lives on, which may die meanwhile (see :meth:`_at_risk`)."""
         from ferry.brokers.rabbitmq.queue_io import MoveTask
         from ferry.spark.tasks import run_moves
 
@@ -319,35 +332,32 @@ class RabbitNodes(Nodes):
             "name": self.name,
             "broker": index,
         }
-        moved, counts = 0, QueueCounts(self.cluster, f"{CONTROL}-relocate")
-        try:
-            for _ in range(100):
-                try:
-                    ready = await counts.ready(vhost, source)
-                except NotFound:
-                    return moved
-                if on:
-                    self._at_risk(vhost, source, on, ready)
-                if ready:
-                    task = MoveTask(cluster, self.name, vhost, source, sink, f"relocate-{uuid.uuid4().hex[:8]}")
-                    task.broker, task.rate, task.source_may_die = index, rate, on is not None
-                    spark = await self._spark()
-                    (result,) = await asyncio.to_thread(run_moves, spark, [task])
-                    moved += result.moved
-                    if on:  # counted even when the source's node died under the task ("source lost")
-                        self.at_risk[(vhost, source)]["moved"] += result.moved
-                    if result.errors:
-                        raise FerryError(f"moving {queue_path(vhost, source)}: {result.errors[0]}")
-                try:
-                    await self.m.request("DELETE", f"/queues/{q(vhost)}/{q(source)}", params={"if-empty": "true"})
-                    return moved
-                except NotFound:
-                    return moved
-                except FerryError as exc:
-                    if "empty" not in str(exc).lower():
-                        raise
-        finally:
-            await counts.close()
+        moved = 0
+        for _ in range(100):
+            try:
+                ready = await counts.ready(vhost, source)
+            except NotFound:
+                return moved
+            if on:
+                self._at_risk(vhost, source, on, ready)
+            if ready:
+                task = MoveTask(cluster, self.name, vhost, source, sink, f"relocate-{uuid.uuid4().hex[:8]}")
+                task.broker, task.rate, task.source_may_die = index, rate, on is not None
+                spark = await self._spark()
+                (result,) = await asyncio.to_thread(run_moves, spark, [task])
+                moved += result.moved
+                if on:  # counted even when the source's node died under the task ("source lost")
+                    self.at_risk[(vhost, source)]["moved"] += result.moved
+                if result.errors:
+                    raise FerryError(f"moving {queue_path(vhost, source)}: {result.errors[0]}")
+            try:
+                await self.m.request("DELETE", f"/queues/{q(vhost)}/{q(source)}", params={"if-empty": "true"})
+                return moved
+            except NotFound:
+                return moved
+            except FerryError as exc:
+                if "empty" not in str(exc).lower():
+                    raise
         raise FerryError(f"{queue_path(vhost, source)} keeps receiving messages; relocation to {target} did not finish")
 
     async def _spark(self) -> Any:
