@@ -335,6 +335,9 @@ def _wait_healthy(state: LabState, timeout: float) -> None:
                     lab_nats.warm_mqtt(servers, (state.path / "secrets" / "mqtt.jwt").read_text().strip())
                 else:
                     lab_nats.warm_mqtt(servers, (state.path / "secrets" / "app").read_text().strip())
+            if state.rabbit:
+                password = (state.path / "secrets" / "rabbitmq").read_text().strip()
+                lab_rabbit.settle_mqtt([lab_rabbit.RabbitNode(**n) for n in state.rabbit], state.procs, password)
             return
         if time.monotonic() > deadline:
             name, why = next(iter(bad.items()))

@@ -42,13 +42,20 @@ def test_a_node_of_a_secure_cluster_is_evacuated_behind_haproxy(
 ) -> None:
     state, topology = secure_rabbit_cluster, secure_rabbit_cluster.path / "topology.yaml"
 
+    failing: list[Any] = []
+
     def checked() -> list[dict[str, Any]] | None:
         r = ferry("topology", "check", str(topology), "--json", topology=topology)
         assert r.stdout, r.stderr
-        return json.loads(r.stdout)["probes"] if r.returncode == 0 else None
+        probes = json.loads(r.stdout)["probes"]
+        failing[:] = [p for p in probes if not p["ok"]]
+        return probes if r.returncode == 0 else None
 
     # bounded: CI saw one probe's TLS handshake time out (3 s) on a node just started, two cores busy
-    probes = wait_for(checked, 60, "every endpoint of the secure cluster to answer over TLS")
+    try:
+        probes = wait_for(checked, 60, "every endpoint of the secure cluster to answer over TLS")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still failing: {failing}") from None
     assert Counter(p["endpoint"] for p in probes) == {"client": 3, "management": 3, "mqtt": 3}, probes
     assert all(p["ok"] and p["tls"]["version"] == "TLSv1.3" for p in probes), probes
     assert state.lb["clusters"]["rabbits"]["amqp"].startswith("amqps://")
