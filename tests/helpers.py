@@ -507,3 +507,64 @@ def foreign_client(d: Path) -> dict[str, str]:
     cert.cert_chain_pems[0].write_to_path(str(d / "foreign-cert.pem"))
     cert.private_key_pem.write_to_path(str(d / "foreign-key.pem"))
     return {"cert_file": str(d / "foreign-cert.pem"), "key_file": str(d / "foreign-key.pem")}
+
+
+class NetSplit:
+    """A TCP proxy on 127.0.0.1 to `target` ("host:port") that a network split can cut: from
+    `split()` until `heal()` nothing crosses it either way and nothing is closed (each side's
+    bytes wait, as TCP retransmits them through a split; new connections are accepted and hear
+    nothing), so a process behind it runs on while its peers hear nothing from it, and what it
+    sent during the split arrives once the split heals."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        self._socket = socket
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._open: list[Any] = []
+        self._thread = threading.Thread
+        self._thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                upstream = self._socket.create_connection(self.target, timeout=5)
+            except OSError:  # the target is down: the client sees its connection end
+                client.close()
+                continue
+            upstream.settimeout(None)
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                self._thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a: Any, b: Any) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                self._flowing.wait()
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(self._socket.SHUT_RDWR)
+
+    def split(self) -> None:
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._open:
+            with contextlib.suppress(OSError):
+                s.close()
+        self._flowing.set()

@@ -37,6 +37,7 @@ from tests.helpers import (
     queue_depth,
     queue_messages,
     read_stream,
+    restart_node,
     served,
     stream_count,
     stream_leader,
@@ -699,6 +700,52 @@ def test_queue_copy_across_vhosts_survives_kill(rabbit_dr: lab.LabState) -> None
     assert set(ids) == expected, "a message was lost"
     duplicates = sum(c - 1 for c in ids.values())
     assert duplicates <= report["possible_duplicates"], "a duplicate was not counted in the summary"
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("node", ["ltm", "pc1"], ids=["source", "destination"])
+def test_a_queue_copy_whose_node_is_killed_and_restarted_copies_each_message(
+    rabbit_dr: lab.LabState, node: str
+) -> None:
+    """The source's (ltm) or the destination's (pc1) RabbitMQ node SIGKILLed once a third of 4
+    durable queues' persistent messages are copied, and started again 3 s later: the copy goes on
+    or fails saying why, and the same command run again copies the rest; every message is at pc1,
+    none twice beyond the copies the runs reported as possible duplicates."""
+    topo, topology = profile_topology(rabbit_dr), rabbit_dr.path / "topology.yaml"
+    queues = [f"nk{node}{i}" for i in range(4)]
+    for cluster in ("ltm", "pc1"):
+        asyncio.run(make_queues(topo, cluster, "/", queues, quorum=set(queues[:2])))
+    for queue in queues:
+        message = lambda i, qn=queue: aio_pika.Message(f"{qn}|{i}".encode(), message_id=f"{qn}|{i}", delivery_mode=2)  # noqa: E731
+        asyncio.run(fill_queue(topo, "ltm", "/", queue, PER_QUEUE, message))
+    total = len(queues) * PER_QUEUE
+
+    def moved() -> int:
+        return sum(asyncio.run(queue_depth(topo, "pc1", "/", qn)) for qn in queues)
+
+    args = ["copy", f"rabbitmq://ltm/%2F/nk{node}*", "rabbitmq://pc1/%2F", "--drain", "--rate", "3000", "--json"]
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    proc = subprocess.Popen([*FERRY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or moved() >= total // 3, 120, "a third copied")
+        assert proc.poll() is None, "the copy ended before the kill"
+        restart_node(rabbit_dr, node, 3.0)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    reports = [json.loads(out)] if proc.returncode == 0 else []
+    print(f"fault cell: the first run ended {proc.returncode}: {err.strip().splitlines()[-1:]}")
+    if proc.returncode:  # it says which node
+        assert f"{node}" in err.strip().splitlines()[-1], err[-1000:]
+        reports.append(json.loads(ferry(*args, topology=topology, check=True).stdout))
+    assert all(q["left"] == 0 for q in reports[-1]["queues"]), reports[-1]
+    ids = Counter(r["msg_id"] for qn in queues for r in asyncio.run(queue_messages(topo, "pc1", "/", qn)))
+    assert set(ids) == {f"{qn}|{i}" for qn in queues for i in range(PER_QUEUE)}, "a message was lost"
+    twice = sum(c - 1 for c in ids.values())
+    assert twice <= sum(r["possible_duplicates"] for r in reports), (twice, reports)
+    print(f"fault cell: {json.dumps({'copied': total, 'twice': twice, 'runs': len(reports)})}")
 
 
 @pytest.mark.connect

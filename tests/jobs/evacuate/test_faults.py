@@ -4,7 +4,8 @@ rebalance through HAProxy stand for them): `ferry node evacuate` SIGKILLed at ev
 and once its step-down guard has reconciled; the lab's `ferry serve` (which shares the CLI's state
 directory here) adopts it. Under core (fire-and-forget) load on the streams the node leads, every
 message sent is in its stream once, and no capture is left. `ferry cluster rebalance` SIGKILLed at
-every step, then run again; and the node under evacuation SIGKILLed and restarted (issue 49)."""
+every step, then run again; the node under evacuation, and a rebalance's donor or recipient,
+SIGKILLed and restarted (issue 49)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tests.helpers import (
     wait_event,
     wait_for,
 )
-from tests.jobs.evacuate.test_evacuate import api, connections, crowd_of
+from tests.jobs.evacuate.test_evacuate import api, connections, crowd_of, haproxy_up
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
 
@@ -151,3 +152,44 @@ def test_the_node_killed_under_its_own_evacuation_is_waited_for_then_evacuated(
     t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > RATE * 10, t
     print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')})}")
+
+
+@pytest.mark.parametrize("node", ["east-2", "east-1"], ids=["donor", "recipient"])
+def test_a_node_of_a_rebalance_killed_while_it_evicts(
+    supercluster: lab.LabState, crowded: Any, clients: Any, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch,
+    node: str,
+) -> None:  # fmt: skip
+    """300 JetStream clients crowded on east-2 through HAProxy; the donor (east-2) or a recipient
+    (east-1) SIGKILLed at the rebalance's first eviction and started again 3 s later: the rebalance
+    ends (by itself, or the same command run again), east-2 is no longer crowded, every acked
+    message is held once, nothing of it stays on record, and HAProxy has every node back."""
+    monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])
+    topology = supercluster.path / "topology.yaml"
+    crowded("east-2")
+    stream = f"RBN_{node[-1]}"
+    load = clients(tmp_path / "ledger", 40, stream)
+    crowd_of(supercluster, load, "east-2")
+    crowded.release()
+    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
+    args += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--execute"]
+    proc = started_json(*args, topology=topology)
+    try:
+        wait_event(proc, "evicted")
+        restart_node(supercluster, node, 3.0)
+        code = proc.wait(timeout=180)
+        print(f"fault cell: the first run ended {code}: {(proc.stdout.read() if proc.stdout else '')[-800:]}")
+        if code != 0:
+            r = ferry(*args, "--json", topology=topology)
+            adopted = ("already running", "was taken over by another ferry")
+            assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    wait_for(lambda: api(supercluster, "GET", "/rebalances").json() == [], 120, "the rebalance to end")
+    wait_for(lambda: all(haproxy_up(supercluster).values()), 30, "HAProxy to have every east node in rotation")
+    now = connections(supercluster)
+    assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 25, now
+    finish(load)
+    t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
+    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
+    print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")

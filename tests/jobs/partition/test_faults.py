@@ -1,21 +1,25 @@
 """The repartition's fault matrix on the lab super-cluster (`make test-faults`; in `make test`, the
-kill at the switch of test_partition.py stands for it): `ferry partition apply --execute`
-SIGKILLed at every event it emits, then the same command; and killed again while it resumes.
-After each, every id is counted in both streams here: none lost, none held twice, each in its
-owner; the claim ends and the journal says done (issue 49)."""
+kill at the switch of test_partition.py and the old owner's server killed stand for it): `ferry
+partition apply --execute` SIGKILLed at every event it emits, then the same command; killed again
+while it resumes; and the server of the old or the new owner killed while it copies. After each,
+every id is counted in both streams here: none lost, none held twice, each in its owner; the claim
+ends and the journal says done (issue 49)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from ferry import lab
-from tests.helpers import killed_at_event
+from tests.helpers import killed_at_event, restart_node, started_json, stream_leader, wait_event
 from tests.jobs.partition.setting import Setting
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
+pytestmark = [pytest.mark.lab, pytest.mark.spark]  # each test marked faults but one cell, which `make test` runs
 
 # every event of a repartition, in order ("copying": the history's first progress report)
 EVENTS = ["plan", "claimed", "copying", "copied", "caught-up", "switched", "guard", "purged"]
@@ -33,6 +37,7 @@ def finished(s: Setting) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("event", EVENTS)
 def test_killed_at_every_event_the_same_command_finishes(
     supercluster: lab.LabState, tmp_path: Path, event: str
@@ -52,6 +57,7 @@ def test_killed_at_every_event_the_same_command_finishes(
         s.forget()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("event", ["switched", "guard"])
 def test_killed_again_while_it_resumes(supercluster: lab.LabState, tmp_path: Path, event: str) -> None:
     s = Setting(supercluster, tmp_path, f"pr{event[0]}")
@@ -62,5 +68,29 @@ def test_killed_again_while_it_resumes(supercluster: lab.LabState, tmp_path: Pat
         killed_at_event(event, 1, *args, topology=s.topology)
         assert finished(s)["resumed"]
     finally:
+        s.stop_load()
+        s.forget()
+
+
+@pytest.mark.parametrize("whose", ["old", pytest.param("new", marks=pytest.mark.faults)])
+def test_the_server_of_a_stream_killed_while_it_copies(supercluster: lab.LabState, tmp_path: Path, whose: str) -> None:
+    """The server holding the old owner (R1), or the new owner, SIGKILLed at the copy's first
+    progress report and started again 3 s later, under acked load: the repartition finishes, by
+    itself or by the same command run again; every id once, in its owner."""
+    s = Setting(supercluster, tmp_path, f"pn{whose[0]}")
+    s.start_load()
+    proc = started_json("partition", "apply", str(s.v2), "--execute", topology=s.topology)
+    try:
+        wait_event(proc, "copying")
+        stream = s.old if whose == "old" else s.new
+        node = asyncio.run(stream_leader(s.topo, "east", stream))
+        assert proc.poll() is None, "the repartition ended before the kill"
+        restart_node(supercluster, node, 3.0)
+        code = proc.wait(timeout=300)
+        print(f"fault cell: the first run ended {code}: {(proc.stdout.read() if proc.stdout else '')[-1500:]}")
+        finished(s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         s.stop_load()
         s.forget()

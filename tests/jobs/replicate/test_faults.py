@@ -1,10 +1,12 @@
 """The relay's and the site switches' fault cells (`make test-faults`; in `make test`, the standby
-taking over a killed relay and the failover/failback under load stand for them): the active
-relay's host stops answering for longer than its lease (its process group SIGSTOPped, as a host
-that loses its network or freezes), the standby takes over, and then the first comes back
-(SIGCONT) with a micro-batch in flight; `site failover` and `site failback` SIGKILLed at each
-step they report, then run again; the relay's executor lost with its worker on the spark lab's
-cluster (issue 48). Every acked id is counted here: each once (issue 49)."""
+taking over a killed relay, the failover/failback under load and the destination's server killed
+under the relay stand for them): the active relay's host stops answering for longer than its lease
+(its process group SIGSTOPped, as a host that freezes), the standby takes over, and then the first
+comes back (SIGCONT) with a micro-batch in flight; the same with the relay's host cut off from the
+destination by a network split (its process runs on); the source's or the destination's server
+killed under the relay; `site failover` and `site failback` SIGKILLed at each step they report,
+then run again; the relay's executor lost with its worker on the spark lab's cluster (issue 48).
+Every acked id is counted here: each once (issue 49)."""
 
 from __future__ import annotations
 
@@ -16,17 +18,29 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ferry import lab
 from ferry.topology import load_topology
-from tests.helpers import Relay, ferry, killed_at_event, load, make_stream, stream_count, wait_for
+from tests.helpers import (
+    NetSplit,
+    Relay,
+    ferry,
+    killed_at_event,
+    load,
+    make_stream,
+    restart_node,
+    stream_count,
+    wait_for,
+)
 from tests.jobs.replicate.test_replicate import define, exactly_once, finished, same_count, topology
 
 __all__ = ["topology"]  # the fixture, shared with test_replicate.py
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]  # each test marked faults but one cell
 
 
+@pytest.mark.faults
 def test_a_relay_frozen_past_its_lease_gives_way_and_nothing_arrives_twice(topology: Path, tmp_path: Path) -> None:
     topo = load_topology(topology)
     define(topology, "FROZEN")
@@ -60,9 +74,86 @@ def test_a_relay_frozen_past_its_lease_gives_way_and_nothing_arrives_twice(topol
                 r.close()
 
 
+@pytest.mark.faults
+def test_a_relay_split_from_its_destination_past_its_lease_gives_way(topology: Path, tmp_path: Path) -> None:
+    """The active relay's every connection to the destination goes through a network split held
+    for three leases (its process runs on; what it sends waits in the split, as TCP's retransmits
+    do): the standby takes over, and when the split heals, the first relay's writes arrive late
+    and it finds its lease taken. Every acked id is at sfo once."""
+    topo = load_topology(topology)
+    define(topology, "SPLIT")
+    raw = yaml.safe_load(topology.read_text())
+    splits = []
+    for site in raw["sites"].values():
+        for b in site["clusters"].get("sfo", {}).get("brokers", []):
+            splits.append(NetSplit(b["url"].split("://", 1)[1]))
+            b["url"] = f"nats://127.0.0.1:{splits[-1].port}"
+    assert splits, raw
+    behind = tmp_path / "topology-behind-a-split.yaml"
+    behind.write_text(yaml.safe_dump(raw))
+    a, b = Relay(behind, tmp_path, "nyc", "sfo"), None
+    try:
+        a.event("resume")
+        b = Relay(topology, tmp_path, "nyc", "sfo")
+        assert b.event("standby")["leader"]["pid"] == a.proc.pid
+        producers = load(topology, "nyc", "split.{n}", tmp_path / "ledger", 2000, 20)
+        wait_for(lambda: stream_count(topo, "sfo", "SPLIT") > 3000, 60, "relaying")
+        for s in splits:
+            s.split()
+        split_at = time.time()
+        took_over = b.event("active", timeout=60)["t"] - split_at
+        assert 3.0 <= took_over < 15.0, f"the standby took over {took_over:.1f}s after the split"
+        b.event("relaying")
+        wait_for(lambda: time.time() > split_at + 15, 20, "three leases of split")
+        for s in splits:
+            s.heal()
+        standby = a.event("standby", timeout=60)  # back: it must find its lease taken
+        assert standby["leader"]["pid"] == b.proc.pid, standby
+        summary = finished(producers)
+        n = same_count(topo, "SPLIT")
+        exactly_once(topo, "sfo", "SPLIT", [tmp_path / "ledger"])
+        assert n >= summary["acked"], (n, summary)
+        print(f"fault cell: {json.dumps({'acked': summary['acked'], 'held': n, 'took_over_s': round(took_over, 1)})}")
+    finally:
+        for r in (a, b):
+            if r:
+                r.close()
+        for s in splits:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    "site", [pytest.param("nyc", id="source", marks=pytest.mark.faults), pytest.param("sfo", id="destination")]
+)
+def test_a_site_server_killed_under_the_relay_is_ridden_out(
+    sites: lab.LabState, topology: Path, tmp_path: Path, site: str
+) -> None:
+    """The source's or the destination's server SIGKILLed while the relay relays under load, and
+    started again 3 s later: the same relay goes on (or stands by and takes its lease again), and
+    every acked id is at sfo once."""
+    topo = load_topology(topology)
+    stream = f"RNODE_{site.upper()}"
+    define(topology, stream)
+    relay = Relay(topology, tmp_path, "nyc", "sfo")
+    try:
+        relay.event("relaying")
+        producers = load(topology, "nyc", f"{stream.lower()}.{{n}}", tmp_path / "ledger", 2000, 15)
+        wait_for(lambda: stream_count(topo, "sfo", stream) > 3000, 60, "relaying")
+        restart_node(sites, f"{site}-1", 3.0)
+        summary = finished(producers)
+        n = same_count(topo, stream, timeout=120)
+        exactly_once(topo, "sfo", stream, [tmp_path / "ledger"])
+        assert n >= summary["acked"] > 10_000, (n, summary)
+        assert relay.proc.poll() is None, relay.log.read_text()[-2000:]  # it rode it out
+    finally:
+        relay.close()
+    print(f"fault cell: {json.dumps({'killed': site, 'held': n, 'acked': summary['acked']})}")
+
+
 STREAMS = ("SWA", "SWB")
 
 
+@pytest.mark.faults
 def test_site_failover_and_failback_killed_at_each_step_then_run_again(
     sites: lab.LabState, topology: Path, tmp_path: Path
 ) -> None:
@@ -123,6 +214,7 @@ def test_site_failover_and_failback_killed_at_each_step_then_run_again(
 
 
 @pytest.mark.cluster
+@pytest.mark.faults
 def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
     topology: Path, tmp_path: Path, spark_cluster: lab.LabState
 ) -> None:
@@ -153,6 +245,7 @@ def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
 RELAY_EVENTS = [("active", 1), ("resume", 1), ("relaying", 1)]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("event", "nth"), RELAY_EVENTS, ids=[e for e, _ in RELAY_EVENTS])
 def test_a_relay_killed_at_every_event_then_run_again_relays_each_message_once(
     topology: Path, tmp_path: Path, event: str, nth: int

@@ -165,7 +165,7 @@ class Channel:
 
     async def call(self, method: Any, timeout: float = 30.0) -> Any:
         if self.closed:
-            raise FerryError(f"AMQP channel closed: {self.closed}")
+            raise FerryError(f"{self.conn.name}: AMQP channel closed: {self.closed}")
         self.rpc = asyncio.get_running_loop().create_future()
         self.conn.write(frame.marshal(method, self.number))
         try:
