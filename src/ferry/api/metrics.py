@@ -118,6 +118,7 @@ class JournalCollector(Collector):
                 started.add_metric(rep, 1.0 if st.get("desired") == "running" else 0.0)
                 for stream, p in sorted(figures.items()):
                     relay.add(rep, stream, p)
+                relay.add_consumers(rep, st.get("consumers") or [], now)
                 if at:
                     age.add_metric([f"relay:{oid}"], max(0.0, now - float(at)))
             elif kind == "dr_failback":

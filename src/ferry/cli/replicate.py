@@ -77,6 +77,15 @@ def replicate_run(
     source: FromOpt,
     to: ToOpt,
     lease: Annotated[float, typer.Option(min=2, help="Seconds after which a standby takes over a silent relay.")] = 5.0,
+    consumer_interval: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=3600,
+            help="Seconds between checkpoints of the source's durable consumers, copied paused to the "
+            "destination at their translated positions (0: none).",
+        ),
+    ] = 3.0,
     metrics_port: MetricsPortOpt = None,
     spark_master: SparkMaster = None,
     spark_remote: SparkRemote = None,
@@ -95,7 +104,8 @@ def replicate_run(
     spark = factory(spark_master, spark_remote, archive=spark_archive, app_name=f"ferry relay {source} to {to}")
 
     emit = json_event if as_json else plain_event
-    state = run(rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics).run())
+    relay = rp.Relay(topo, source, to, spark, lease=lease, emit=emit, metrics=metrics, consumers=consumer_interval)
+    state = run(relay.run())
     if as_json:
         print_json(state)
 
@@ -134,6 +144,14 @@ def replicate_status(account: AccountOpt = None, topology: TopologyOpt = None, a
         out.print("no replication is defined")
         return
     out.print(status_table(rows))
+    consumers = [(r, c) for r in rows for c in r.get("consumers") or []]
+    if consumers:
+        table = Table("replication", "stream", "consumer", "acked up to (source)", "delivers from (dest)", "age s")
+        for r, c in consumers:
+            where = c.get("refused") or f"{c['position']:,}"
+            table.add_row(f"{r['source']} -> {r['dest']}", c["stream"], c["consumer"], f"{c['ack_floor']:,}", where,
+                          f"{c['age_s']:,}")  # fmt: skip
+        out.print(table)
 
 
 def status_table(rows: list[dict[str, Any]]) -> Table:
@@ -216,11 +234,25 @@ def site_failover(
             f"{result['from']} is {reach}",
             highlight=False,
         )
+        _consumer_rpo(result["consumers"], to, "would deliver")
         return
     fo = result["failover"]
     out.print(f"{to} is primary (was {fo['from']}); {fo['from']} sequences {to} holds: {per_stream(fo['replicated'])}")
+    _consumer_rpo(fo["consumers"], to, "delivers")
     if result.get("reverse"):
         out.print(f"defined {to} -> {fo['from']}; run relays with: {rp.relay_command(to, fo['from'], account)}")
+
+
+def _consumer_rpo(rows: list[dict], site: str, verb: str) -> None:
+    """A line per durable consumer copied to `site`: where it delivers from, what it may deliver again."""
+    for r in rows:
+        age = f"{r['checkpoint_age_s']:.1f}s"
+        out.print(
+            f"consumer {r['stream']}/{r['consumer']} {verb} from {site} sequence {r['position']:,} (acked up to "
+            f"{r['ack_floor']:,} at the source {age} before); delivered again: {r['redelivered_at_least']:,} it "
+            f"acknowledged out of order, and what it acknowledged in those {age}",
+            highlight=False,
+        )
 
 
 @site_app.command("failback")
@@ -293,6 +325,13 @@ def site_failback(
         recovered = f"{r['recovered']:,}" + (f" (+{before:,} already there)" if before > 0 else "")
         table.add_row(s, f"{r['rpo']:,}", recovered, f"{r['brought']:,}")
     out.print(table)
+    for s, r in report["streams"].items():
+        for c in r.get("consumers") or []:
+            out.print(
+                f"consumer {s}/{c['consumer']} delivers from {to} sequence {c['position']:,} (where it stood at "
+                f"{primary}); delivered again: {c['redelivered_at_least']:,} it acknowledged out of order there",
+                highlight=False,
+            )
     out.print(report["replication"])
 
 

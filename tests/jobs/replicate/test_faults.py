@@ -141,7 +141,11 @@ def test_a_site_server_killed_under_the_relay_is_ridden_out(
         wait_for(lambda: stream_count(topo, "sfo", stream) > 3000, 60, "relaying")
         restart_node(sites, f"{site}-1", 3.0)
         summary = finished(producers)
-        n = same_count(topo, stream, timeout=120)
+        try:
+            n = same_count(topo, stream, timeout=120)
+        except AssertionError as exc:
+            counts = {site: stream_count(topo, site, stream) for site in ("nyc", "sfo")}
+            raise AssertionError(f"{exc}: {counts}; the relay said {relay.log.read_text()[-3000:]}") from None
         exactly_once(topo, "sfo", stream, [tmp_path / "ledger"])
         assert n >= summary["acked"] > 10_000, (n, summary)
         assert relay.proc.poll() is None, relay.log.read_text()[-2000:]  # it rode it out

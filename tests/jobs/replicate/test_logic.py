@@ -94,3 +94,32 @@ def test_a_stopped_replication_stands_at_its_marker_else_at_its_last_progress_le
     # a graceful stop's marker is exact: nothing after it is taken for foreign
     stopped = {**after_failback, "marker": {"A": 150}}
     assert backlog_from(stopped) == ({"A": 150, "B": 7}, {"B": 0})
+
+
+def test_a_consumer_copy_is_paused_positioned_by_reset_and_marked() -> None:
+    from types import SimpleNamespace
+
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from ferry.jobs.replicate.consumers import ORIGIN, Position, copied, copy_config, rpo
+
+    cfg = ConsumerConfig(durable_name="d", deliver_policy=DeliverPolicy.NEW, filter_subjects=["a.1", "a.2"])
+    seqs = SimpleNamespace
+    # 10 deliveries above the floor, 4 pending: 6 acknowledged out of order (delivered again elsewhere)
+    info = SimpleNamespace(
+        name="d",
+        config=cfg,
+        ack_floor=seqs(consumer_seq=20, stream_seq=200),
+        delivered=seqs(consumer_seq=30, stream_seq=215),
+        num_ack_pending=4,
+    )
+    p = Position.of("ORDERS", info)
+    assert (p.ack_floor, p.acked_above_floor) == (200, 6)
+    copy = copy_config(p, "nyc", subject_prefix="nyc.")
+    assert copy.deliver_policy == DeliverPolicy.ALL and copy.opt_start_seq is None  # a reset positions it
+    assert copy.filter_subjects == ["nyc.a.1", "nyc.a.2"] and copy.pause_until
+    assert copied(copy) and copy.metadata and copy.metadata[ORIGIN] == "nyc" and not copied(cfg)
+    row = {"stream": "ORDERS", "consumer": "d", "ack_floor": 200, "position": 181, "acked_above_floor": 6, "at": 100.0}
+    refused = {**row, "consumer": "mine", "refused": "ORDERS has a consumer mine of its own"}
+    (said,) = rpo({"consumers": [row, refused]}, now=103.0)
+    assert said["redelivered_at_least"] == 6 and said["checkpoint_age_s"] == 3.0 and said["position"] == 181

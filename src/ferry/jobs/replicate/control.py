@@ -185,6 +185,7 @@ def status_row(state: dict[str, Any], now: float) -> dict[str, Any]:
     at = state.get("progress_at") or (state.get("heartbeat") if live else None)
     row["progress_age_s"] = round(max(0.0, now - float(at)), 1) if at and state.get("progress") else None
     current = live and row["relay"] == "running" and (row["progress_age_s"] or 0) <= PROGRESS_STALE
+    row["consumers"] = [{**c, "age_s": round(max(0.0, now - c["at"]), 1)} for c in state.get("consumers") or []]
     if state.get("progress"):  # the last relay's; its rate is a current one only while it relays
         row["progress"] = {s: dict(p or {}) for s, p in state["progress"].items()}
         for p in row["progress"].values():

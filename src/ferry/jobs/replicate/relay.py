@@ -23,6 +23,7 @@ from ferry.brokers.nats.reader import ReadConfig
 from ferry.brokers.nats.writer import WriteConfig, write_batches
 from ferry.errors import FerryError, NotFound
 from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
+from ferry.jobs.replicate.consumers import Checkpointer
 from ferry.jobs.replicate.plan import (
     CONTROL,
     RELAY,
@@ -149,6 +150,11 @@ def start_query(
     `batched`: every destination stream allows fast batch publishing (ferry creates them so).
     `leaders`: the server leading each source stream's destination stream, which its read task
     publishes to (no hop between servers for every message)."""
+    name = f"ferry relay {rep.source} to {rep.dest}"
+    for old in spark.streams.active:  # a lost lease's, still winding down (seen once the destination died)
+        if old.name == name:
+            old.stop()
+            old.awaitTermination(60)
     cfg = _write_cfg(topo, rep)
     relay_to = {
         "cluster": cfg.cluster,
@@ -172,7 +178,7 @@ def start_query(
         .option("checkpointLocation", checkpoint)
         .option("asyncProgressTrackingEnabled", "true")
         .trigger(processingTime=TRIGGER)
-        .queryName(f"ferry relay {rep.source} to {rep.dest}")
+        .queryName(name)
         .start()
     )
 
@@ -208,9 +214,11 @@ class Relay:
         lease: float = 5.0,
         emit: Emit = no_emit,
         metrics: Any = None,
+        consumers: float = 3.0,
     ) -> None:
         self.topo, self.source, self.dest = topo, source, dest
         self.spark_factory, self.lease, self.emit, self.metrics = spark_factory, lease, emit, metrics
+        self.consumers = consumers  # seconds between consumer checkpoints; 0: none
         self.spark: Any = None
 
     async def run(self) -> dict[str, Any]:
@@ -310,6 +318,9 @@ class Relay:
         checkpoint = _checkpoint()
         query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched, leaders)
         tracker, warm = _Progress(self.topo, rep, after), False
+        checkpoint_consumers = Checkpointer(rep.source, site_cluster(self.topo, rep.dest), rep.dest, rep.dest_stream,
+                                            rep.subject_prefix)  # fmt: skip
+        next_checkpoint = time.monotonic()
         try:
             while not lease.lost.is_set():
                 if lease.stop_requested.is_set():
@@ -327,8 +338,15 @@ class Relay:
                     self.emit("relaying")  # the first micro-batch is done: Spark's workers are up
                 j.state["progress"] = await tracker.update(offsets)
                 j.state["progress_at"] = time.time()  # saved with the next heartbeat
+                if self.consumers and time.monotonic() >= next_checkpoint and tracker.nc:
+                    next_checkpoint = time.monotonic() + self.consumers
+                    try:
+                        j.state["consumers"] = await checkpoint_consumers(tracker.nc, j.nc, streams)
+                        j.state["consumers_at"] = time.time()
+                    except Exception as exc:  # relaying goes on; the copies stay where they were
+                        self.emit("error", message=f"consumer checkpoint: {first_line(exc)}")
                 if self.metrics:
-                    self.metrics.update(rep, j.state["progress"])
+                    self.metrics.update(rep, j.state["progress"], j.state.get("consumers"))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(lease.stop_requested.wait(), 1.0)
             self.emit("lost", owner=(await j.open() or {}).get("owner"))
@@ -410,12 +428,16 @@ class Metrics:
         self.rep: Replication | None = None
         self.account = account or ""  # the label of a replication in another NATS account
         self.progress: dict[str, dict[str, Any]] = {}
+        self.consumers: list[dict[str, Any]] = []
         self.active = False
         if port is not None:  # None: the families only (their names are checked against the dashboard)
             serve_metrics(self, port)
 
-    def update(self, rep: Replication, progress: dict[str, dict[str, Any]]) -> None:
+    def update(
+        self, rep: Replication, progress: dict[str, dict[str, Any]], consumers: list[dict[str, Any]] | None = None
+    ) -> None:
         self.rep, self.progress, self.active = rep, dict(progress), True
+        self.consumers = consumers or []
 
     def collect(self) -> Any:
         from prometheus_client.core import GaugeMetricFamily
@@ -428,6 +450,7 @@ class Metrics:
             for stream, p in sorted(self.progress.items()):
                 fams.add(at, stream, p)
                 rate.add_metric([*at, stream], float(p["rate"]))
+            fams.add_consumers(at, self.consumers, time.time())
         yield from (*fams, rate)
 
 
@@ -452,6 +475,20 @@ class RelayFamilies:
         self.active = GaugeMetricFamily(
             "ferry_relay_active", "1 while a live relay holds the replication's lease", labels=self.LABELS[:3]
         )
+        by_consumer = [*self.LABELS, "consumer"]
+        self.consumer_floor = GaugeMetricFamily(
+            "ferry_relay_consumer_ack_floor", "A durable consumer's ack floor at the source", labels=by_consumer
+        )
+        self.consumer_position = GaugeMetricFamily(
+            "ferry_relay_consumer_position",
+            "The destination sequence the consumer's copy delivers from (its translated ack floor + 1)",
+            labels=by_consumer,
+        )
+        self.consumer_age = GaugeMetricFamily(
+            "ferry_relay_consumer_checkpoint_age_seconds",
+            "Age of the consumer's last checkpoint (what a failover may deliver again is this long of its acks)",
+            labels=by_consumer,
+        )
 
     def add(self, replication: list[str], stream: str, p: dict[str, Any]) -> None:
         """One stream's progress (``relayed``, ``lag``, ``lag_s``; a lag None is unknown: left out)
@@ -462,8 +499,17 @@ class RelayFamilies:
             self.lag.add_metric(at, float(p["lag"]))
             self.lag_s.add_metric(at, float(p.get("lag_s") or 0))
 
+    def add_consumers(self, replication: list[str], rows: list[dict[str, Any]], now: float) -> None:
+        """The consumers of the last checkpoint (a relay journal's ``consumers``)."""
+        for c in rows:
+            at = [*replication, c["stream"], c["consumer"]]
+            self.consumer_floor.add_metric(at, float(c["ack_floor"]))
+            self.consumer_position.add_metric(at, float(c["position"]))
+            self.consumer_age.add_metric(at, max(0.0, now - float(c["at"])))
+
     def __iter__(self) -> Any:
-        return iter((self.relayed, self.lag, self.lag_s, self.active))
+        consumers = (self.consumer_floor, self.consumer_position, self.consumer_age)
+        return iter((self.relayed, self.lag, self.lag_s, self.active, *consumers))
 
 
 def count_after(spark: Any, topo: Topology, rep: Replication, stream: str, after: int) -> int:

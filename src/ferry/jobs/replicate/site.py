@@ -18,6 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ferry.errors import Conflict, FerryError, NotFound, UsageError
+from ferry.jobs.replicate.consumers import Translator
+from ferry.jobs.replicate.consumers import home as consumers_home
+from ferry.jobs.replicate.consumers import resume as resume_consumers
+from ferry.jobs.replicate.consumers import rpo as consumer_rpo
 from ferry.jobs.replicate.control import start, status_row, stop
 from ferry.jobs.replicate.plan import (
     Replication,
@@ -91,18 +95,28 @@ async def failover(
             "to": to,
             "relay": status_row(state, time.time())["summary"],
             "replicated": {s: h.last for s, h in found.items()},
+            "consumers": consumer_rpo(state, time.time()),
             "source_reachable": await _reachable(topo, src),
         }
     stopped = await stop(topo, src, to, wait=10.0, force=True)
     emit("fenced", replication=f"{src} -> {to}", marker=stopped.get("marker"))
     found = await positions(topo, rep, await _failover_streams(topo, stopped, rep))
     replicated = {s: h.last for s, h in found.items()}
+    consumers = consumer_rpo(stopped, time.time())
+    async with site_session(topo, to) as nc:  # the applications come here: their consumers deliver
+        await resume_consumers(nc, consumers, Translator(site_cluster(topo, to), to, src), rep.dest_stream)
     record = {
         "primary": to,
-        "failover": {"from": src, "at": time.time(), "replicated": replicated, "streams": rep.streams},
+        "failover": {
+            "from": src,
+            "at": time.time(),
+            "replicated": replicated,
+            "streams": rep.streams,
+            "consumers": consumers,
+        },
     }
     await _save_site(topo, to, record)
-    emit("primary", site=to, replicated=replicated)
+    emit("primary", site=to, replicated=replicated, consumers=len(consumers))
     source_up = await _reachable(topo, src)
     deadline = time.monotonic() + (wait if reverse else 0)
     while not source_up and time.monotonic() < deadline:
@@ -244,7 +258,10 @@ async def _failback(
         sent_back = await asyncio.to_thread(send_missing, spark, topo, back, s)
         # after `read_to`, TO holds what was brought back (never relayed forth) and any new writes
         progress[s] = {"relayed": read_to, "foreign": sent_back}
-        report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back}
+        async with site_session(topo, to) as here, site_session(topo, primary) as there:  # applications go home
+            came_home = await consumers_home(site_cluster(topo, to), to, site_cluster(topo, primary), primary, s,
+                                             here, there)  # fmt: skip
+        report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back, "consumers": came_home}
         emit("reconciled", stream=s, **report["streams"][s])
     # defined again before the records say TO is primary: a failback cut short between the two
     # finds its record on a rerun, instead of leaving TO -> other undefined

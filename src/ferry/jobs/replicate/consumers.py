@@ -1,0 +1,308 @@
+"""Durable consumers across sites (issue 52): the relay keeps, at the destination, a paused copy
+of each durable consumer of the streams it relays, positioned at the first destination message
+the source's consumer had not acknowledged; a failover resumes them, so an application that
+reconnects to the other site with the same durable name goes on where it was.
+
+Positions are translated through the origin headers the relay stamps: the source consumer's ack
+floor F (a source sequence) becomes the destination sequence of the first message relayed from
+the source with ``Ferry-Origin-Seq`` above F (the destination's end when none is there yet), and
+the copy is reset there (ADR-60 consumer reset, nats-server 2.14+). What the source's consumer
+acknowledged above its floor (out of order) and what it acknowledged after the last checkpoint
+is delivered again at the destination: the first is counted at each checkpoint, the second is at
+most one checkpoint interval of the application's acks.
+
+A copy carries its origin in its metadata (``ferry.origin`` ...): a relay never copies such a
+consumer on (so nyc -> sfo and sfo -> nyc together make no cycle), and the copy of a consumer
+deleted at the source is deleted with it. Ephemeral consumers are not copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range
+from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
+from ferry.topology import NatsCluster
+
+ORIGIN = "ferry.origin"  # metadata of a copy: the site, stream and consumer it copies, and where it stood
+ORIGIN_STREAM = "ferry.origin-stream"
+FLOOR = "ferry.origin-ack-floor"
+PAUSED_UNTIL = "2999-01-01T00:00:00Z"  # a copy delivers nothing until a failover resumes it
+WINDOW = 2_000  # destination messages read per step of a translation
+
+
+@dataclass
+class Position:
+    """One source consumer at one checkpoint."""
+
+    stream: str  # the source stream
+    name: str
+    config: dict[str, Any]
+    ack_floor: int  # source stream sequence
+    acked_above_floor: int  # acknowledged out of order above the floor: delivered again at the destination
+    at: float = 0.0  # when it was asked for
+
+    @classmethod
+    def of(cls, stream: str, info: Any, at: float = 0.0) -> Position:
+        floor, delivered = info.ack_floor, info.delivered
+        # deliveries above the floor not pending any more were acknowledged (a redelivery counts twice:
+        # an upper bound)
+        above = max(0, (delivered.consumer_seq or 0) - (floor.consumer_seq or 0) - (info.num_ack_pending or 0))
+        return cls(
+            stream,
+            info.name,
+            info.config.as_dict(),
+            floor.stream_seq or 0,
+            above,
+            at,
+        )
+
+
+def copied(config: ConsumerConfig) -> bool:
+    """A consumer ferry made as the copy of another site's."""
+    return bool((config.metadata or {}).get(ORIGIN))
+
+
+async def positions(nc: Any, streams: list[str]) -> list[Position]:
+    """Every durable consumer of `streams` at the source, but ferry's copies of another site's."""
+    jsm, out = nc.jsm(), []
+    for stream in streams:
+        asked = time.time()  # the state read is at least this recent: acks before it are in it
+        for info in await jsm.consumers_info(stream):
+            if info.config.durable_name and not copied(info.config):
+                out.append(Position.of(stream, info, asked))
+    return out
+
+
+@dataclass
+class Translator:
+    """Source ack floors to destination sequences for one destination stream, remembering the last
+    answer per consumer so that each checkpoint reads only what the consumer moved past."""
+
+    cluster: NatsCluster
+    site: str  # the destination's
+    origin: str  # the source site
+    known: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (stream, name) -> (floor, seq)
+
+    async def seq_after(self, dest_stream: str, origin_stream: str, floor: int, key: tuple[str, str]) -> int:
+        """The destination sequence of the first message relayed from (origin, origin_stream) whose
+        origin sequence is above `floor`; the destination's last sequence + 1 when there is none."""
+        info = await self._state(dest_stream)
+        first, last = max(1, info["first_seq"]), info["last_seq"]
+        before = self.known.get(key)
+        lo = before[1] if before and before[0] <= floor and before[1] >= first else await self._back(
+            dest_stream, origin_stream, floor, first, last
+        )  # fmt: skip
+        cfg = ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(dest_stream,))
+        seq = last + 1
+        while lo <= last and seq > last:
+            hi = min(last, lo + WINDOW - 1)
+            found = [s for s, o in await _origins(cfg, dest_stream, lo, hi, self.origin, origin_stream) if o > floor]
+            seq = min(found, default=seq)
+            lo = hi + 1
+        self.known[key] = (floor, min(seq, last + 1))
+        return seq
+
+    async def _back(self, dest_stream: str, origin_stream: str, floor: int, first: int, last: int) -> int:
+        """Where to read forward from: the start of the last window (read backwards from the end,
+        doubling) holding this origin's messages at or below `floor` and none above it."""
+        cfg = ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(dest_stream,))
+        hi, window = last, WINDOW
+        while hi >= first:
+            lo = max(first, hi - window + 1)
+            seen = [o for _, o in await _origins(cfg, dest_stream, lo, hi, self.origin, origin_stream)]
+            if seen and max(seen) <= floor:
+                return lo
+            hi, window = lo - 1, window * 2
+        return first
+
+    async def _state(self, stream: str) -> dict[str, int]:
+        from ferry.brokers.nats.reader import stream_states
+
+        return (await stream_states(self.cluster, [stream], name=self.site))[stream]
+
+
+async def _origins(
+    cfg: ReadConfig, stream: str, lo: int, hi: int, origin: str, origin_stream: str
+) -> list[tuple[int, int]]:
+    """(destination seq, origin seq) of the messages relayed from (origin, origin_stream) in [lo, hi]."""
+    out = []
+    async for batch in read_range(cfg, Range(stream, lo, hi, WINDOW)):
+        seqs, headers = batch.column("source_seq").to_pylist(), batch.column("headers").to_pylist()
+        for seq, hs in zip(seqs, headers, strict=True):
+            h = dict(hs or ())
+            if h.get(ORIGIN_SITE_HDR) == origin and h.get(ORIGIN_STREAM_HDR) == origin_stream:
+                out.append((seq, int(h[ORIGIN_SEQ_HDR])))
+    return out
+
+
+def copy_config(p: Position, origin: str, subject_prefix: str = "") -> ConsumerConfig:
+    """The destination's copy of `p`: its configuration, delivering from the stream's start (a
+    reset then positions it), paused, and marked with where it comes from and stood."""
+    cfg = ConsumerConfig.from_response(dict(p.config))
+    cfg.deliver_policy, cfg.opt_start_seq, cfg.opt_start_time = DeliverPolicy.ALL, None, None
+    if subject_prefix:
+        cfg.filter_subject = subject_prefix + cfg.filter_subject if cfg.filter_subject else None
+        cfg.filter_subjects = [subject_prefix + s for s in cfg.filter_subjects] if cfg.filter_subjects else None
+    cfg.pause_until = PAUSED_UNTIL
+    cfg.metadata = {
+        **(cfg.metadata or {}),
+        ORIGIN: origin,
+        ORIGIN_STREAM: p.stream,
+        FLOOR: str(p.ack_floor),
+    }
+    return cfg
+
+
+async def place(jsm: Any, dest_stream: str, p: Position, seq: int, origin: str, subject_prefix: str = "") -> bool:
+    """Create or update the copy of `p` in `dest_stream`, positioned so that it delivers from
+    destination sequence `seq` on; False, changing nothing, where an application's own consumer
+    of that name is."""
+    try:
+        have = await jsm.consumer_info(dest_stream, p.name)
+    except NotFoundError:
+        have = None
+    if have and not copied(have.config):
+        return False
+    await jsm.add_consumer(dest_stream, copy_config(p, origin, subject_prefix))
+    await jsm.reset_consumer(dest_stream, p.name, seq)
+    return True
+
+
+async def prune(jsm: Any, dest_stream: str, origin: str, origin_stream: str, keep: set[str]) -> list[str]:
+    """Delete the copies in `dest_stream` of (origin, origin_stream)'s consumers not in `keep`."""
+    gone = []
+    for info in await jsm.consumers_info(dest_stream):
+        meta = info.config.metadata or {}
+        if meta.get(ORIGIN) == origin and meta.get(ORIGIN_STREAM) == origin_stream and info.name not in keep:
+            await jsm.delete_consumer(dest_stream, info.name)
+            gone.append(info.name)
+    return gone
+
+
+@dataclass
+class Checkpointer:
+    """The relay's consumer checkpoints: each one reads the source's durable consumers and moves
+    their copies at the destination to match; rows for the relay's journal."""
+
+    source: str
+    dest_cluster: NatsCluster
+    dest: str
+    dest_stream: Any  # Callable[[str], str]: the destination stream of a source stream
+    subject_prefix: str = ""
+    placed: dict[tuple[str, str], tuple[int, int, str]] = field(default_factory=dict)  # -> (floor, seq, config)
+
+    def __post_init__(self) -> None:
+        self.translator = Translator(self.dest_cluster, self.dest, self.source)
+
+    async def __call__(self, src_nc: Any, dest_nc: Any, streams: list[str]) -> list[dict[str, Any]]:
+        jsm, rows = dest_nc.jsm(), []
+        found = await positions(src_nc, streams)
+        for p in found:
+            key, target = (p.stream, p.name), self.dest_stream(p.stream)
+            seq = await self.translator.seq_after(target, p.stream, p.ack_floor, key)
+            shape = repr(sorted(p.config.items()))
+            row = {"stream": p.stream, "consumer": p.name, "ack_floor": p.ack_floor, "position": seq}
+            row |= {"acked_above_floor": p.acked_above_floor, "at": round(p.at, 3)}
+            if self.placed.get(key) != (p.ack_floor, seq, shape):
+                if await place(jsm, target, p, seq, self.source, self.subject_prefix):
+                    self.placed[key] = (p.ack_floor, seq, shape)
+                else:
+                    row["refused"] = f"{target} has a consumer {p.name} of its own"
+            rows.append(row)
+        for stream in streams:
+            keep = {p.name for p in found if p.stream == stream}
+            for name in await prune(jsm, self.dest_stream(stream), self.source, stream, keep):
+                self.placed.pop((stream, name), None)
+        return rows
+
+
+def rpo(state: dict[str, Any], now: float) -> list[dict[str, Any]]:
+    """Per consumer of the last checkpoint on record (a relay's journal): where its copy delivers
+    from, and what it may deliver again: what it acknowledged above its floor then, and what it
+    acknowledged since (at most `age_s` of the application's acknowledgements)."""
+    return [
+        {
+            **{k: row[k] for k in ("stream", "consumer", "ack_floor", "position")},
+            "redelivered_at_least": row["acked_above_floor"],
+            "checkpoint_at": row["at"],
+            "checkpoint_age_s": round(now - row["at"], 1),
+        }
+        for row in state.get("consumers") or []
+        if "refused" not in row
+    ]
+
+
+async def resume(nc: Any, rows: list[dict[str, Any]], translator: Translator, dest_stream: Any) -> None:
+    """Let the copies in `rows` deliver (a failover: the applications come to this site), each
+    positioned again from its last checkpoint against all the relay stored (it may have relayed
+    the messages up to a consumer's floor only after that checkpoint); `rows` get the positions."""
+    jsm = nc.jsm()
+    for row in rows:
+        target = dest_stream(row["stream"])
+        row["position"] = await translator.seq_after(target, row["stream"], row["ack_floor"], ("", row["consumer"]))
+        await jsm.reset_consumer(target, row["consumer"], row["position"])
+        await jsm.resume_consumer(target, row["consumer"])
+
+
+async def home(
+    here: NatsCluster, site: str, there: NatsCluster, primary: str, stream: str, here_nc: Any, there_nc: Any
+) -> list[dict[str, Any]]:
+    """A fail-back to `site` (once `stream` is reconciled both ways): each consumer copied from
+    `site` to `primary` is moved back to where the application stood at `primary`, its own
+    consumer at `site` reset to the first message there that it had acknowledged at neither
+    site, and the copy is paused again. At `site` that first message is the smallest of:
+    `site`'s own messages above its consumer's ack floor there (what it had acknowledged before
+    the failover) and still unacknowledged at `primary` (read from the origin headers there after
+    the copy's ack floor, which includes those `site` stored but never relayed, sent to `primary`
+    by the fail-back), and the messages brought from `primary` above the copy's floor."""
+    there_js, here_js, rows = there_nc.jsm(), here_nc.jsm(), []
+    cfg = ReadConfig(cluster=there.model_dump_json(), name=primary, streams=(stream,))
+    last = (await there_js.stream_info(stream)).state.last_seq
+    brought = Translator(here, site, primary)
+    for info in await there_js.consumers_info(stream):
+        meta = info.config.metadata or {}
+        if meta.get(ORIGIN) != site or meta.get(ORIGIN_STREAM) != stream:
+            continue
+        p = Position.of(stream, info)
+        try:
+            before = Position.of(stream, await here_js.consumer_info(stream, p.name))
+        except NotFoundError:
+            before = None
+        # what it had acknowledged at `site`: its floor there, or where the last checkpoint saw it if
+        # higher (a server SIGKILLed may come back with acks it confirmed but had not written yet)
+        done = max(before.ack_floor if before else 0, int(meta.get(FLOOR) or 0))
+        own = [o for _, o in await _origins(cfg, stream, p.ack_floor + 1, last, site, stream) if o > done]
+        seq = min(min(own, default=2**63), await brought.seq_after(stream, stream, p.ack_floor, (stream, p.name)))
+        await _reset_or_recreate(here_js, stream, p, seq)
+        await there_js.pause_consumer(stream, p.name, PAUSED_UNTIL)
+        again = p.acked_above_floor + (before.acked_above_floor if before else 0)
+        rows.append(
+            {"consumer": p.name, "ack_floor_at_primary": p.ack_floor, "ack_floor_here": done, "position": seq}
+            | {"redelivered_at_least": again}
+        )
+    return rows
+
+
+async def _reset_or_recreate(jsm: Any, stream: str, p: Position, seq: int) -> None:
+    """`p`'s consumer in `stream` delivering from `seq` on: reset there when it exists and its
+    deliver policy allows (all, by start sequence or time), else made again from `p`'s
+    configuration delivering from `seq`, without ferry's marks."""
+    from nats.js.errors import ConsumerInvalidResetError
+
+    with contextlib.suppress(NotFoundError, ConsumerInvalidResetError):
+        await jsm.reset_consumer(stream, p.name, seq)
+        return
+    with contextlib.suppress(NotFoundError):
+        await jsm.delete_consumer(stream, p.name)
+    cfg = ConsumerConfig.from_response(dict(p.config))
+    cfg.deliver_policy, cfg.opt_start_seq, cfg.opt_start_time = DeliverPolicy.BY_START_SEQUENCE, seq, None
+    cfg.pause_until = None
+    cfg.metadata = {k: v for k, v in (cfg.metadata or {}).items() if not k.startswith("ferry.")} or None
+    await jsm.add_consumer(stream, cfg)

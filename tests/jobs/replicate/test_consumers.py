@@ -1,0 +1,215 @@
+"""Durable consumers fail over and back with their site (issue 52): applications consume at nyc
+through durable pull consumers with different filters and ways of acknowledging while the relay
+copies the consumers to sfo; nyc is SIGKILLed; `site failover --to sfo`; each application binds
+its durable name at sfo and consumes there; more is written at sfo; nyc comes back; `site
+failback --to nyc`; each binds at nyc again. At each site the test counts per consumer, by
+message id, that nothing it had acknowledged nowhere is skipped, and that what it had
+acknowledged comes again at most as the failover's or fail-back's report announced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from ferry.brokers import nats as bnats
+from ferry.topology import load_topology
+from tests.helpers import Relay, ferry, load, read_stream, stream_count, wait_for
+from tests.jobs.replicate.test_replicate import define, finished, topology
+
+__all__ = ["topology"]  # the fixture, shared with test_replicate.py
+
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(300)]
+
+STREAM = "CONS"
+
+
+@dataclass
+class App:
+    """One application at nyc: its durable consumer, how it acknowledges, what it acknowledged."""
+
+    name: str
+    filters: list[str]
+    how: str  # "in-order" | "reversed" (each batch's acks in reverse) | "late" (every 5th acked on redelivery)
+    acked: dict[str, float] = field(default_factory=dict)  # id -> when the server confirmed the ack (nyc)
+    unsure: set[str] = field(default_factory=set)  # an ack in flight as nyc died
+    acked_sfo: set[str] = field(default_factory=set)
+    checkpoint_at: float = 0.0  # the last checkpoint before the failover
+
+    def config(self) -> ConsumerConfig:
+        one = self.filters[0] if len(self.filters) == 1 else None
+        many = self.filters if len(self.filters) > 1 else None
+        return ConsumerConfig(
+            durable_name=self.name,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=2.0,
+            max_ack_pending=500,
+            filter_subject=one,
+            filter_subjects=many,
+        )
+
+
+APPS = [
+    App("all-in-order", [], "in-order"),
+    App("all-reversed", [], "reversed"),
+    App("all-late", [], "late"),
+    App("zero", ["cons.0"], "in-order"),
+    App("one-reversed", ["cons.1"], "reversed"),
+    App("two-late", ["cons.2"], "late"),
+    App("three", ["cons.3"], "in-order"),
+    App("zero-one", ["cons.0", "cons.1"], "reversed"),
+    App("two-three-late", ["cons.2", "cons.3"], "late"),
+    App("slow", [], "in-order"),
+]
+
+
+async def consume(url_nc: Any, app: App, stop: threading.Event) -> None:
+    """Fetch and acknowledge (each ack confirmed by the server) until `stop` or the server dies."""
+    js = url_nc.jetstream()
+    sub = await js.pull_subscribe_bind(app.name, STREAM)
+    seen: set[str] = set()
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(20 if app.name != "slow" else 2, timeout=1)
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
+            continue
+        except Exception:  # nyc died
+            return
+        if app.how == "reversed":
+            msgs = msgs[::-1]
+        for m in msgs:
+            mid = m.headers["Nats-Msg-Id"]
+            if app.how == "late" and hash(mid) % 5 == 0 and mid not in seen:
+                seen.add(mid)  # left pending: delivered again after ack_wait, acknowledged then
+                continue
+            try:
+                await m.ack_sync(timeout=2)
+            except Exception:
+                app.unsure.add(mid)
+                return
+            app.acked[mid] = time.time()
+        if app.name == "slow":
+            await asyncio.sleep(0.2)
+
+
+async def drain(nc: Any, app: App) -> list[str]:
+    """Everything the application's durable delivers until it has nothing more for 1 s, each
+    acknowledged (confirmed)."""
+    sub = await nc.jetstream().pull_subscribe_bind(app.name, STREAM)
+    got = []
+    while True:
+        try:
+            msgs = await sub.fetch(500, timeout=1)
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
+            return got
+        for m in msgs:
+            got.append(m.headers["Nats-Msg-Id"])
+            await m.ack_sync(timeout=5)
+
+
+def judged(app: App, held: list[dict[str, Any]], got: list[str], done: set[str], allowed: int) -> dict[str, int]:
+    """Nothing of `held` the application has not acknowledged (`done`) is missing from `got`, and
+    what it had acknowledged comes again at most `allowed` times."""
+    mine = {r["msg_id"] for r in held if not app.filters or r["subject"] in app.filters}
+    skipped = mine - done - app.unsure - set(got)
+    assert not skipped, f"{app.name}: {len(skipped)} messages it had not acknowledged never came"
+    again = [m for m in got if m in done]
+    assert len(again) <= allowed, (app.name, len(again), allowed)
+    return {"got": len(got), "again": len(again), "allowed": allowed}
+
+
+def test_durable_consumers_fail_over_and_back_where_they_were(sites: Any, topology: Path, tmp_path: Path) -> None:
+    topo = load_topology(topology)
+    define(topology, STREAM)
+    nyc = sites.proc("nyc-1")
+
+    async def make() -> None:
+        async with bnats.session(topo.nats("nyc")) as nc:
+            for app in APPS:
+                await nc.jsm().add_consumer(STREAM, app.config())
+
+    asyncio.run(make())
+    relay = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
+    stop_apps = threading.Event()
+
+    async def run_apps() -> None:
+        async with bnats.session(topo.nats("nyc")) as nc:
+            await asyncio.gather(*(consume(nc, app, stop_apps) for app in APPS))
+
+    async def drained(site: str) -> dict[str, list[str]]:
+        async with bnats.session(topo.nats(site)) as nc:
+            got = await asyncio.gather(*(drain(nc, app) for app in APPS))
+            return {app.name: g for app, g in zip(APPS, got, strict=True)}
+
+    failed_back = False
+    try:
+        relay.event("relaying")
+        producers = load(topology, "nyc", "cons.{n}", tmp_path / "ledger", 400, None)
+        wait_for(lambda: stream_count(topo, "sfo", STREAM) > 1000, 60, "relaying")
+        apps = threading.Thread(target=lambda: asyncio.run(run_apps()), daemon=True)
+        apps.start()
+        time.sleep(5.0)  # consuming at nyc, the relay checkpointing every second
+        rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        (row,) = [r for r in rows if (r["source"], r["dest"]) == ("nyc", "sfo")]
+        shown = {c["consumer"]: c for c in row["consumers"] if c["stream"] == STREAM}
+        assert set(shown) == {a.name for a in APPS} and all(c["age_s"] < 5 for c in shown.values()), shown
+        assert "delivers from (dest)" in ferry("replicate", "status", topology=topology, check=True).stdout
+        nyc.signal(signal.SIGKILL)  # the site fails mid-stream, its applications with it
+        wait_for(lambda: not nyc.alive(), 10, "nyc to die")
+        killed_at = time.time()
+        stop_apps.set()
+        apps.join(timeout=30)
+        producers.send_signal(signal.SIGTERM)
+        finished(producers)
+
+        fo = json.loads(ferry("site", "failover", "--to", "sfo", "--json", topology=topology, check=True).stdout)
+        rows = {r["consumer"]: r for r in fo["failover"]["consumers"]}
+        assert set(rows) == {a.name for a in APPS}, rows
+        assert all(r["checkpoint_at"] > killed_at - 3.0 for r in rows.values()), rows  # every second
+        held = asyncio.run(read_stream(topo, "sfo", STREAM))
+        delivered, report = asyncio.run(drained("sfo")), {}
+        for app in APPS:
+            row = rows[app.name]
+            after_checkpoint = sum(1 for t in app.acked.values() if t >= row["checkpoint_at"] - 0.05)
+            allowed = row["redelivered_at_least"] + after_checkpoint
+            report[app.name] = judged(app, held, delivered[app.name], set(app.acked), allowed)
+            app.acked_sfo, app.checkpoint_at = set(delivered[app.name]), row["checkpoint_at"]
+        assert sum(len(a.acked) for a in APPS) > 2000, report
+        print(f"consumers at sfo: {json.dumps(report)}")
+
+        finished(load(topology, "sfo", "cons.{n}", tmp_path / "ledger-sfo", 400, 3))  # not consumed at sfo
+        nyc.start()
+        sites.save()
+        wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
+        fb = json.loads(ferry("site", "failback", "--to", "nyc", "--json", topology=topology, check=True).stdout)
+        failed_back = True
+        rows = {r["consumer"]: r for r in fb["streams"][STREAM]["consumers"]}
+        assert set(rows) == {a.name for a in APPS}, rows
+        held = asyncio.run(read_stream(topo, "nyc", STREAM))
+        delivered, report = asyncio.run(drained("nyc")), {}
+        for app in APPS:
+            done = set(app.acked) | app.acked_sfo
+            # and again what it acknowledged at nyc after the failover's checkpoint, as announced then
+            since = sum(1 for t in app.acked.values() if t >= app.checkpoint_at - 0.05)
+            allowed = rows[app.name]["redelivered_at_least"] + since
+            report[app.name] = judged(app, held, delivered[app.name], done, allowed)
+        assert all(r["got"] >= 1 for r in report.values()), report  # what sfo took meanwhile, at least
+        print(f"consumers at nyc: {json.dumps(report)}")
+    finally:
+        stop_apps.set()
+        relay.close()
+        if not nyc.alive():
+            nyc.start()
+            sites.save()
+            wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
+        if not failed_back:  # the other tests of the lab expect nyc primary
+            ferry("site", "failback", "--to", "nyc", topology=topology)
