@@ -213,3 +213,72 @@ def test_durable_consumers_fail_over_and_back_where_they_were(sites: Any, topolo
             wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
         if not failed_back:  # the other tests of the lab expect nyc primary
             ferry("site", "failback", "--to", "nyc", topology=topology)
+
+
+def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(topology: Path, tmp_path: Path) -> None:
+    """The copies at sfo follow nyc's consumers: made paused, moved as the consumer acknowledges,
+    deleted with it; the relay SIGKILLed (mid-checkpoint, every second) and started again goes on
+    from the copies it finds; and the relay back (sfo -> nyc, both ways at once) never copies a
+    copy."""
+    topo = load_topology(topology)
+    stream = "CONS2"
+    define(topology, stream)
+    define(topology, stream, source="sfo", dest="nyc")
+
+    async def at(site: str) -> dict[str, Any]:
+        async with bnats.session(topo.nats(site)) as nc:
+            return {c.name: c for c in await nc.jsm().consumers_info(stream) if c.config.durable_name}  # not a relay's
+
+    async def setup() -> None:
+        async with bnats.session(topo.nats("nyc")) as nc:
+            js = nc.jetstream()
+            for i in range(300):
+                await js.publish(f"cons2.{i % 3}", b"x", headers={"Nats-Msg-Id": f"c2-{i}"})
+            for name in ("keep", "gone"):
+                await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT))
+
+    async def consume(n: int) -> int:
+        """Acknowledge `n` more messages with `keep` at nyc; its ack floor."""
+        async with bnats.session(topo.nats("nyc")) as nc:
+            sub = await nc.jetstream().pull_subscribe_bind("keep", stream)
+            for m in await sub.fetch(n, timeout=5):
+                await m.ack_sync()
+            return (await nc.jsm().consumer_info(stream, "keep")).ack_floor.stream_seq
+
+    asyncio.run(setup())
+    forth = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
+    back = Relay(topology, tmp_path, "sfo", "nyc", "--consumer-interval", "1")
+    try:
+        forth.event("relaying")
+        back.event("relaying")
+        copies = wait_for(lambda: (c := asyncio.run(at("sfo"))) and {"keep", "gone"} <= set(c) and c, 60, "copies")
+        assert all(c.paused and c.config.metadata["ferry.origin"] == "nyc" for c in copies.values()), copies
+
+        def moved_to(floor: int) -> bool:  # the copy delivers from the message after the floor (same order here)
+            c = asyncio.run(at("sfo"))["keep"]
+            return c.config.metadata["ferry.origin-ack-floor"] == str(floor) and c.ack_floor.stream_seq == floor
+
+        floor = asyncio.run(consume(50))
+        wait_for(lambda: moved_to(floor), 30, "the copy to follow 50 acks")
+        forth.kill()  # its checkpoints run every second: killed in one or between two
+        forth.close()
+        floor = asyncio.run(consume(70))
+        forth = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
+        forth.event("relaying")
+        wait_for(lambda: moved_to(floor), 30, "the new relay to move the copy on")
+
+        async def drop() -> None:
+            async with bnats.session(topo.nats("nyc")) as nc:
+                await nc.jsm().delete_consumer(stream, "gone")
+
+        asyncio.run(drop())
+        wait_for(lambda: "gone" not in asyncio.run(at("sfo")), 30, "the copy of a deleted consumer to go")
+        time.sleep(2.0)  # the relay back has checkpointed sfo's consumers (the copies) a few times
+        assert set(asyncio.run(at("nyc"))) == {"keep"}, "a copy was copied back"
+        assert not any((c.config.metadata or {}).get("ferry.origin") for c in asyncio.run(at("nyc")).values())
+        rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        (row,) = [r for r in rows if (r["source"], r["dest"]) == ("sfo", "nyc")]
+        assert row["live"] and not [c for c in row["consumers"] if c["stream"] == stream], row["consumers"]
+    finally:
+        for r in (forth, back):
+            r.close()
