@@ -26,7 +26,7 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from ferry.brokers.nats.reader import Range, ReadConfig, read_range
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range, stream_states
 from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
 from ferry.topology import NatsCluster
 
@@ -93,13 +93,13 @@ class Translator:
     async def seq_after(self, dest_stream: str, origin_stream: str, floor: int, key: tuple[str, str]) -> int:
         """The destination sequence of the first message relayed from (origin, origin_stream) whose
         origin sequence is above `floor`; the destination's last sequence + 1 when there is none."""
-        info = await self._state(dest_stream)
+        info = (await stream_states(self.cluster, [dest_stream], name=self.site))[dest_stream]
         first, last = max(1, info["first_seq"]), info["last_seq"]
         before = self.known.get(key)
         lo = before[1] if before and before[0] <= floor and before[1] >= first else await self._back(
             dest_stream, origin_stream, floor, first, last
         )  # fmt: skip
-        cfg = ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(dest_stream,))
+        cfg = self._read(dest_stream)
         seq = last + 1
         while lo <= last and seq > last:
             hi = min(last, lo + WINDOW - 1)
@@ -112,7 +112,7 @@ class Translator:
     async def _back(self, dest_stream: str, origin_stream: str, floor: int, first: int, last: int) -> int:
         """Where to read forward from: the start of the last window (read backwards from the end,
         doubling) holding this origin's messages at or below `floor` and none above it."""
-        cfg = ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(dest_stream,))
+        cfg = self._read(dest_stream)
         hi, window = last, WINDOW
         while hi >= first:
             lo = max(first, hi - window + 1)
@@ -122,10 +122,8 @@ class Translator:
             hi, window = lo - 1, window * 2
         return first
 
-    async def _state(self, stream: str) -> dict[str, int]:
-        from ferry.brokers.nats.reader import stream_states
-
-        return (await stream_states(self.cluster, [stream], name=self.site))[stream]
+    def _read(self, stream: str) -> ReadConfig:
+        return ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(stream,))
 
 
 async def _origins(
