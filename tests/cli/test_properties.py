@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ferry import cli
@@ -171,6 +171,7 @@ def test_every_numeric_option_refuses_or_goes_on_never_a_traceback(
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(which=st.sampled_from(NAMES), value=ODD)
+@example(which=("load", "--url"), value="\x85")  # U+0085 split "no server answered at ..." in two
 def test_every_name_refuses_odd_unicode_in_one_line_or_goes_on(
     which: tuple[str, str], value: str, cut: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -92,17 +92,17 @@ def main() -> None:
         err.print(exc.format_message(), highlight=False, markup=False)
         sys.exit(2)
     except ClickException as exc:  # bad usage: one line, exit 2
-        err.print(f"[red]error:[/] {escape(redact(exc.format_message()))}", highlight=False)
+        _error(redact(exc.format_message()))
         sys.exit(exc.exit_code)
     except typer.Abort:
         _interrupted()
     except FerryError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         sys.exit(exc.exit_code)
     except pydantic.ValidationError as exc:
         e = exc.errors()[0]
         where = ".".join(str(x) for x in e["loc"])
-        err.print(f"[red]error:[/] {where}: {redact(e['msg'].removeprefix('Value error, '))}", highlight=False)
+        _error(f"{where}: {redact(e['msg'].removeprefix('Value error, '))}")
         sys.exit(2)
     except KeyboardInterrupt:
         _interrupted()
@@ -110,7 +110,7 @@ def main() -> None:
         _failed(_translated(exc))
     except OSError as exc:  # a path that is not what the command needs (a file where a directory goes)
         where = f": {exc.filename}" if exc.filename else ""
-        err.print(f"[red]error:[/] {escape(redact(exc.strerror or str(exc)))}{escape(str(where))}", highlight=False)
+        _error(f"{redact(exc.strerror or str(exc))}{where}")
         sys.exit(1)
     except Exception as exc:  # a broker's answer no command turned into a ferry error, or a Spark job's failure
         failure = _translated(exc)
@@ -159,8 +159,15 @@ def _translated(exc: BaseException) -> FerryError | None:
 
 def _failed(failure: FerryError | None) -> None:
     assert failure is not None
-    err.print(f"[red]error:[/] {escape(str(failure))}", highlight=False)
+    _error(str(failure))
     sys.exit(failure.exit_code)
+
+
+def _error(message: str) -> None:
+    """An error as one line: a character that would break it or not show (a newline, U+0085 typed
+    in a URL, a zero-width space) is written as its escape."""
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in message)
+    err.print(f"[red]error:[/] {escape(shown)}", highlight=False)
 
 
 def _interrupted() -> None:
