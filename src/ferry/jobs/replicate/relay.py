@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -126,6 +127,9 @@ def send_missing(spark: Any, topo: Topology, rep: Replication, stream: str) -> i
     return catch_up(spark, topo, rep, stream, 1, 0, held_everywhere(spark, topo, rep, stream))
 
 
+_STARTS = itertools.count(1)
+
+
 def start_query(
     spark: Any,
     topo: Topology,
@@ -152,9 +156,11 @@ def start_query(
     publishes to (no hop between servers for every message)."""
     name = f"ferry relay {rep.source} to {rep.dest}"
     for old in spark.streams.active:  # a lost lease's, still winding down (seen once the destination died)
-        if old.name == name:
+        if (old.name or "").startswith(name):
             old.stop()
-            old.awaitTermination(60)
+    # each start has a name of its own: a query stopped after its lease was lost could stay listed as
+    # active (the name taken for the session's life; CI saw every later start refused for it)
+    name += f" #{next(_STARTS)}"
     cfg = _write_cfg(topo, rep)
     relay_to = {
         "cluster": cfg.cluster,
@@ -489,6 +495,12 @@ class RelayFamilies:
             "Age of the consumer's last checkpoint (what a failover may deliver again is this long of its acks)",
             labels=by_consumer,
         )
+        self.consumer_carried = GaugeMetricFamily(
+            "ferry_relay_consumer_carried",
+            "1 while the consumer's copy follows it; 0 when the destination refused the copy or its filter "
+            "matches none of the stream's subjects (replicate status says why)",
+            labels=by_consumer,
+        )
 
     def add(self, replication: list[str], stream: str, p: dict[str, Any]) -> None:
         """One stream's progress (``relayed``, ``lag``, ``lag_s``; a lag None is unknown: left out)
@@ -504,11 +516,13 @@ class RelayFamilies:
         for c in rows:
             at = [*replication, c["stream"], c["consumer"]]
             self.consumer_floor.add_metric(at, float(c["ack_floor"]))
-            self.consumer_position.add_metric(at, float(c["position"]))
+            if "refused" not in c:
+                self.consumer_position.add_metric(at, float(c["position"]))
             self.consumer_age.add_metric(at, max(0.0, now - float(c["at"])))
+            self.consumer_carried.add_metric(at, 0.0 if "refused" in c or "unmatched" in c else 1.0)
 
     def __iter__(self) -> Any:
-        consumers = (self.consumer_floor, self.consumer_position, self.consumer_age)
+        consumers = (self.consumer_floor, self.consumer_position, self.consumer_age, self.consumer_carried)
         return iter((self.relayed, self.lag, self.lag_s, self.active, *consumers))
 
 
