@@ -43,7 +43,7 @@ ALERTS = ROOT / "dashboards" / "alerts.yml"
 
 def test_promtool_accepts_the_alerts_and_every_panel_reads_a_family_serve_exports() -> None:
     got = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
-    assert got.returncode == 0 and "SUCCESS: 6 rules found" in got.stdout, got.stdout + got.stderr
+    assert got.returncode == 0 and "SUCCESS: 7 rules found" in got.stdout, got.stdout + got.stderr
     from ferry.api.audits import Audits
     from ferry.api.metrics import JournalCollector
     from ferry.api.watch import Registry

@@ -148,7 +148,8 @@ def replicate_status(account: AccountOpt = None, topology: TopologyOpt = None, a
     if consumers:
         table = Table("replication", "stream", "consumer", "acked up to (source)", "delivers from (dest)", "age s")
         for r, c in consumers:
-            where = c.get("refused") or f"{c['position']:,}"
+            unmatched = " (its filter matches no subject)" if "unmatched" in c else ""
+            where = c.get("refused") or f"{c['position']:,}{unmatched}"
             table.add_row(f"{r['source']} -> {r['dest']}", c["stream"], c["consumer"], f"{c['ack_floor']:,}", where,
                           f"{c['age_s']:,}")  # fmt: skip
         out.print(table)
@@ -246,6 +247,11 @@ def site_failover(
 def _consumer_rpo(rows: list[dict], site: str, verb: str) -> None:
     """A line per durable consumer copied to `site`: where it delivers from, what it may deliver again."""
     for r in rows:
+        if "refused" in r:
+            out.print(f"consumer {r['stream']}/{r['consumer']} not carried: {r['refused']}", highlight=False)
+            continue
+        if "unmatched" in r:
+            out.print(f"consumer {r['stream']}/{r['consumer']}: {r['unmatched']}", highlight=False)
         age = f"{r['checkpoint_age_s']:.1f}s"
         out.print(
             f"consumer {r['stream']}/{r['consumer']} {verb} from {site} sequence {r['position']:,} (acked up to "

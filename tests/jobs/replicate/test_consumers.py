@@ -1,5 +1,5 @@
 """Durable consumers fail over and back with their site (issue 52): applications consume at nyc
-through durable pull consumers with different filters and ways of acknowledging while the relay
+through durable pull and push consumers with different filters and ways of acknowledging while the relay
 copies the consumers to sfo; nyc is SIGKILLed; `site failover --to sfo`; each application binds
 its durable name at sfo and consumes there; more is written at sfo; nyc comes back; `site
 failback --to nyc`; each binds at nyc again. At each site the test counts per consumer, by
@@ -13,17 +13,20 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from ferry.brokers import nats as bnats
+from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import Relay, ferry, load, read_stream, stream_count, wait_for
+from tests.helpers import Relay, ferry, load, make_stream, read_stream, stream_count, wait_for
 from tests.jobs.replicate.test_replicate import define, finished, topology
 
 __all__ = ["topology"]  # the fixture, shared with test_replicate.py
@@ -40,6 +43,7 @@ class App:
     name: str
     filters: list[str]
     how: str  # "in-order" | "reversed" (each batch's acks in reverse) | "late" (every 5th acked on redelivery)
+    push: bool = False  # delivered to a subject (in order) instead of fetched
     acked: dict[str, float] = field(default_factory=dict)  # id -> when the server confirmed the ack (nyc)
     unsure: set[str] = field(default_factory=set)  # an ack in flight as nyc died
     acked_sfo: set[str] = field(default_factory=set)
@@ -55,7 +59,22 @@ class App:
             max_ack_pending=500,
             filter_subject=one,
             filter_subjects=many,
+            deliver_subject=f"deliver.{self.name}" if self.push else None,
         )
+
+    async def bind(self, nc: Any) -> Callable[[int, float], Awaitable[list[Any]]]:
+        """Its durable at the site `nc` is connected to, as ``take(n, wait)``: up to n messages,
+        waiting `wait` s at most (nats-py raises a TimeoutError when none came)."""
+        js = nc.jetstream()
+        if not self.push:
+            sub = await js.pull_subscribe_bind(self.name, STREAM)
+            return lambda n, wait: sub.fetch(n, timeout=wait)
+        push = await js.subscribe_bind(STREAM, self.config(), self.name, manual_ack=True)
+
+        async def one(_: int, wait: float) -> list[Any]:
+            return [await push.next_msg(timeout=wait)]
+
+        return one
 
 
 APPS = [
@@ -65,21 +84,20 @@ APPS = [
     App("zero", ["cons.0"], "in-order"),
     App("one-reversed", ["cons.1"], "reversed"),
     App("two-late", ["cons.2"], "late"),
-    App("three", ["cons.3"], "in-order"),
+    App("three-pushed", ["cons.3"], "in-order", push=True),
     App("zero-one", ["cons.0", "cons.1"], "reversed"),
     App("two-three-late", ["cons.2", "cons.3"], "late"),
     App("slow", [], "in-order"),
 ]
 
 
-async def consume(url_nc: Any, app: App, stop: threading.Event) -> None:
-    """Fetch and acknowledge (each ack confirmed by the server) until `stop` or the server dies."""
-    js = url_nc.jetstream()
-    sub = await js.pull_subscribe_bind(app.name, STREAM)
+async def consume(nc: Any, app: App, stop: threading.Event) -> None:
+    """Take and acknowledge (each ack confirmed by the server) until `stop` or the server dies."""
+    take = await app.bind(nc)
     seen: set[str] = set()
     while not stop.is_set():
         try:
-            msgs = await sub.fetch(20 if app.name != "slow" else 2, timeout=1)
+            msgs = await take(20 if app.name != "slow" else 2, 1.0)
         except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
             continue
         except Exception:  # nyc died
@@ -102,13 +120,13 @@ async def consume(url_nc: Any, app: App, stop: threading.Event) -> None:
 
 
 async def drain(nc: Any, app: App) -> list[str]:
-    """Everything the application's durable delivers until it has nothing more for 1 s, each
-    acknowledged (confirmed)."""
-    sub = await nc.jetstream().pull_subscribe_bind(app.name, STREAM)
-    got = []
+    """Everything the application's durable delivers until it has nothing more for 1 s (3 s for a
+    push consumer: what it pushed before the subscription came is pushed again after its 2 s
+    ack wait), each acknowledged (confirmed)."""
+    take, got = await app.bind(nc), []
     while True:
         try:
-            msgs = await sub.fetch(500, timeout=1)
+            msgs = await take(500, 3.0 if app.push else 1.0)
         except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
             return got
         for m in msgs:
@@ -217,10 +235,12 @@ def test_durable_consumers_fail_over_and_back_where_they_were(sites: Any, topolo
 
 
 def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(topology: Path, tmp_path: Path) -> None:
-    """The copies at sfo follow nyc's consumers: made paused, moved as the consumer acknowledges,
-    deleted with it; the relay SIGKILLed (mid-checkpoint, every second) and started again goes on
-    from the copies it finds; and the relay back (sfo -> nyc, both ways at once) never copies a
-    copy."""
+    """The copies at sfo follow nyc's consumers, pull and push: made paused, moved as the consumer
+    acknowledges, deleted with it; the relay SIGKILLed (mid-checkpoint, every second) and started
+    again goes on from the copies it finds; the relay back (sfo -> nyc, both ways at once) never
+    copies a copy. An application's own consumer of the same name at the other site is left alone
+    and said refused; a consumer whose filter matches none of its stream's subjects any more is
+    said so (in status and the relay's metrics)."""
     topo = load_topology(topology)
     stream = "CONS2"
     define(topology, stream)
@@ -235,32 +255,64 @@ def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(to
             js = nc.jetstream()
             for i in range(300):
                 await js.publish(f"cons2.{i % 3}", b"x", headers={"Nats-Msg-Id": f"c2-{i}"})
-            for name in ("keep", "gone"):
+            for name in ("keep", "gone", "theirs"):
                 await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT))
+            explicit = AckPolicy.EXPLICIT
+            await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name="pushed", ack_policy=explicit,
+                                                               deliver_subject="deliver.pushed"))  # fmt: skip
+            await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name="stale", filter_subject="cons2.2"))
+            info = await nc.jsm().stream_info(stream)  # cons2.2 is not the stream's any more
+            info.config.subjects = ["cons2.0", "cons2.1"]
+            await nc.jsm().update_stream(info.config)
+        async with bnats.session(topo.nats("sfo")) as nc:  # sfo's application has a "theirs" of its own
+            await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name="theirs", ack_policy=AckPolicy.EXPLICIT))
 
-    async def consume(n: int) -> int:
-        """Acknowledge `n` more messages with `keep` at nyc; its ack floor."""
+    async def consume(n: int, name: str = "keep") -> int:
+        """Acknowledge `n` more messages with `name` (pull, or push: "pushed") at nyc; its ack floor."""
         async with bnats.session(topo.nats("nyc")) as nc:
-            sub = await nc.jetstream().pull_subscribe_bind("keep", stream)
-            for m in await sub.fetch(n, timeout=5):
+            js = nc.jetstream()
+            if name == "pushed":
+                sub = await js.subscribe_bind(stream, (await js.consumer_info(stream, name)).config, name,
+                                              manual_ack=True)  # fmt: skip
+                msgs = [await sub.next_msg(timeout=5) for _ in range(n)]
+            else:
+                msgs = await (await js.pull_subscribe_bind(name, stream)).fetch(n, timeout=5)
+            for m in msgs:
                 await m.ack_sync()
-            return (await nc.jsm().consumer_info(stream, "keep")).ack_floor.stream_seq
+            return (await nc.jsm().consumer_info(stream, name)).ack_floor.stream_seq
 
     asyncio.run(setup())
-    forth = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
+    (port,) = free_ports(1)
+    forth = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1", "--metrics-port", str(port))
     back = Relay(topology, tmp_path, "sfo", "nyc", "--consumer-interval", "1")
     try:
         forth.event("relaying")
         back.event("relaying")
-        copies = wait_for(lambda: (c := asyncio.run(at("sfo"))) and {"keep", "gone"} <= set(c) and c, 60, "copies")
+        ours = {"keep", "gone", "pushed", "stale"}
+        copies = wait_for(lambda: (c := asyncio.run(at("sfo"))) and ours <= set(c) and c, 60, "copies")
+        copies = {name: c for name, c in copies.items() if name in ours}
         assert all(c.paused and c.config.metadata["ferry.origin"] == "nyc" for c in copies.values()), copies
+        assert copies["pushed"].config.deliver_subject == "deliver.pushed", copies["pushed"]
+        assert "ferry.origin" not in asyncio.run(at("sfo"))["theirs"].config.metadata, "sfo's own was changed"
 
-        def moved_to(floor: int) -> bool:  # the copy delivers from the message after the floor (same order here)
-            c = asyncio.run(at("sfo"))["keep"]
+        def moved_to(floor: int, name: str = "keep") -> bool:  # delivers from the message after the floor
+            c = asyncio.run(at("sfo"))[name]
             return c.config.metadata["ferry.origin-ack-floor"] == str(floor) and c.ack_floor.stream_seq == floor
 
         floor = asyncio.run(consume(50))
         wait_for(lambda: moved_to(floor), 30, "the copy to follow 50 acks")
+        pushed = asyncio.run(consume(40, "pushed"))
+        wait_for(lambda: moved_to(pushed, "pushed"), 30, "the push consumer's copy to follow 40 acks")
+        rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        (row,) = [r for r in rows if (r["source"], r["dest"]) == ("nyc", "sfo")]
+        said = {c["consumer"]: c for c in row["consumers"] if c["stream"] == stream}
+        assert "of its own" in said["theirs"]["refused"] and "refused" not in said["keep"], said
+        assert "cons2.2 matches none of CONS2's subjects" in said["stale"]["unmatched"], said
+        assert "unmatched" not in said["keep"] and "unmatched" not in said["pushed"], said
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        carried = 'ferry_relay_consumer_carried{{account="",consumer="{}",from="nyc",stream="CONS2",to="sfo"}} {}'
+        for name, value in (("keep", 1.0), ("pushed", 1.0), ("stale", 0.0), ("theirs", 0.0)):
+            assert carried.format(name, value) in metrics, (name, metrics)
         forth.kill()  # its checkpoints run every second: killed in one or between two
         forth.close()
         floor = asyncio.run(consume(70))
@@ -275,11 +327,40 @@ def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(to
         asyncio.run(drop())
         wait_for(lambda: "gone" not in asyncio.run(at("sfo")), 30, "the copy of a deleted consumer to go")
         time.sleep(2.0)  # the relay back has checkpointed sfo's consumers (the copies) a few times
-        assert set(asyncio.run(at("nyc"))) == {"keep"}, "a copy was copied back"
+        assert set(asyncio.run(at("nyc"))) == {"keep", "pushed", "stale", "theirs"}, "a copy was copied back"
         assert not any((c.config.metadata or {}).get("ferry.origin") for c in asyncio.run(at("nyc")).values())
         rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
         (row,) = [r for r in rows if (r["source"], r["dest"]) == ("sfo", "nyc")]
-        assert row["live"] and not [c for c in row["consumers"] if c["stream"] == stream], row["consumers"]
+        back_copied = [c for c in row["consumers"] if c["stream"] == stream]  # sfo's own "theirs" only, refused
+        assert row["live"] and [c["consumer"] for c in back_copied] == ["theirs"], back_copied
+        assert "of its own" in back_copied[0]["refused"], back_copied
     finally:
         for r in (forth, back):
             r.close()
+
+
+def test_a_work_queue_stream_is_refused_and_nothing_changes(topology: Path) -> None:
+    """A relay reads without consuming, which a work-queue stream allows no one: `replicate start`
+    (and its dry run) refuses it in one line, creating nothing at sfo and defining nothing."""
+    topo = load_topology(topology)
+    asyncio.run(make_stream(topo, "nyc", "JOBS", ["jobs.>"], replicas=1, retention=RetentionPolicy.WORK_QUEUE))
+
+    def defined() -> list[tuple[str, str, str, str]]:
+        rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
+        return sorted((r["source"], r["dest"], r["streams"], r["intent"]) for r in rows)
+
+    before = defined()
+    for dry in ([], ["--dry-run"]):
+        run = ferry("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "J*", *dry, topology=topology)
+        said = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and said == [
+            "error: JOBS at nyc is a work-queue stream: a relay reads a stream without consuming it, which a "
+            "work-queue stream allows no one; leave it out with --streams"
+        ], (run.returncode, said)
+    assert defined() == before
+
+    async def at_sfo() -> bool:
+        async with bnats.session(topo.nats("sfo")) as nc:
+            return "JOBS" in [s.config.name for s in await nc.jsm().streams_info()]
+
+    assert not asyncio.run(at_sfo()), "JOBS was created at sfo"

@@ -101,7 +101,7 @@ def test_a_consumer_copy_is_paused_positioned_by_reset_and_marked() -> None:
 
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    from ferry.jobs.replicate.consumers import ORIGIN, Position, copied, copy_config, rpo
+    from ferry.jobs.replicate.consumers import ORIGIN, Position, copied, copy_config, rpo, unmatched
 
     cfg = ConsumerConfig(durable_name="d", deliver_policy=DeliverPolicy.NEW, filter_subjects=["a.1", "a.2"])
     seqs = SimpleNamespace
@@ -121,5 +121,9 @@ def test_a_consumer_copy_is_paused_positioned_by_reset_and_marked() -> None:
     assert copied(copy) and copy.metadata and copy.metadata[ORIGIN] == "nyc" and not copied(cfg)
     row = {"stream": "ORDERS", "consumer": "d", "ack_floor": 200, "position": 181, "acked_above_floor": 6, "at": 100.0}
     refused = {**row, "consumer": "mine", "refused": "ORDERS has a consumer mine of its own"}
-    (said,) = rpo({"consumers": [row, refused]}, now=103.0)
+    said, not_carried = rpo({"consumers": [row, refused]}, now=103.0)
     assert said["redelivered_at_least"] == 6 and said["checkpoint_age_s"] == 3.0 and said["position"] == 181
+    assert "refused" not in said and not_carried["refused"] == refused["refused"]
+    assert unmatched(p, ["a.>"]) is None and unmatched(p, ["a.1"]) is None  # one filter of two is enough
+    assert unmatched(p, ["b.>", "a.3"]) == "its filter a.1, a.2 matches none of ORDERS's subjects (b.>, a.3)"
+    assert unmatched(Position("ORDERS", "all", {}, 0, 0), ["b.>"]) is None  # no filter: every subject

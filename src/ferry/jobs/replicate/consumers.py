@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from ferry.brokers.nats.reader import Range, ReadConfig, read_range, stream_states
 from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
+from ferry.subjects import overlaps
 from ferry.topology import NatsCluster
 
 ORIGIN = "ferry.origin"  # metadata of a copy: the site, stream and consumer it copies, and where it stood
@@ -62,6 +63,15 @@ class Position:
             above,
             at,
         )
+
+
+def unmatched(p: Position, subjects: list[str]) -> str | None:
+    """Why `p` gets no new message (its filter matches none of its stream's subjects, which the
+    relay carries), or None."""
+    filters = p.config.get("filter_subjects") or [f for f in [p.config.get("filter_subject")] if f]
+    if not filters or any(overlaps(f, s) for f in filters for s in subjects):
+        return None
+    return f"its filter {', '.join(filters)} matches none of {p.stream}'s subjects ({', '.join(subjects) or 'none'})"
 
 
 def copied(config: ConsumerConfig) -> bool:
@@ -202,17 +212,23 @@ class Checkpointer:
     async def __call__(self, src_nc: Any, dest_nc: Any, streams: list[str]) -> list[dict[str, Any]]:
         jsm, rows = dest_nc.jsm(), []
         found = await positions(src_nc, streams)
+        subjects = {s: (await src_nc.jsm().stream_info(s)).config.subjects or [] for s in {p.stream for p in found}}
         for p in found:
             key, target = (p.stream, p.name), self.dest_stream(p.stream)
             seq = await self.translator.seq_after(target, p.stream, p.ack_floor, key)
             shape = repr(sorted(p.config.items()))
             row = {"stream": p.stream, "consumer": p.name, "ack_floor": p.ack_floor, "position": seq}
             row |= {"acked_above_floor": p.acked_above_floor, "at": round(p.at, 3)}
+            if why := unmatched(p, subjects[p.stream]):
+                row["unmatched"] = why  # copied all the same: what it had not acknowledged may still be there
             if self.placed.get(key) != (p.ack_floor, seq, shape):
-                if await place(jsm, target, p, seq, self.source, self.subject_prefix):
-                    self.placed[key] = (p.ack_floor, seq, shape)
-                else:
-                    row["refused"] = f"{target} has a consumer {p.name} of its own"
+                try:
+                    if await place(jsm, target, p, seq, self.source, self.subject_prefix):
+                        self.placed[key] = (p.ack_floor, seq, shape)
+                    else:
+                        row["refused"] = f"{target} has a consumer {p.name} of its own"
+                except APIError as exc:  # this consumer only: the others' checkpoints go on
+                    row["refused"] = f"{target} refused the copy: {exc.description}"
             rows.append(row)
         for stream in streams:
             keep = {p.name for p in found if p.stream == stream}
@@ -224,16 +240,17 @@ class Checkpointer:
 def rpo(state: dict[str, Any], now: float) -> list[dict[str, Any]]:
     """Per consumer of the last checkpoint on record (a relay's journal): where its copy delivers
     from, and what it may deliver again: what it acknowledged above its floor then, and what it
-    acknowledged since (at most `age_s` of the application's acknowledgements)."""
+    acknowledged since (at most `age_s` of the application's acknowledgements); a consumer not
+    copied says why (``refused``), one that gets no new message says so (``unmatched``)."""
     return [
         {
             **{k: row[k] for k in ("stream", "consumer", "ack_floor", "position")},
             "redelivered_at_least": row["acked_above_floor"],
             "checkpoint_at": row["at"],
             "checkpoint_age_s": round(now - row["at"], 1),
+            **{k: row[k] for k in ("refused", "unmatched") if k in row},
         }
         for row in state.get("consumers") or []
-        if "refused" not in row
     ]
 
 
@@ -243,6 +260,8 @@ async def resume(nc: Any, rows: list[dict[str, Any]], translator: Translator, de
     the messages up to a consumer's floor only after that checkpoint); `rows` get the positions."""
     jsm = nc.jsm()
     for row in rows:
+        if "refused" in row:  # not copied: nothing to resume
+            continue
         target = dest_stream(row["stream"])
         row["position"] = await translator.seq_after(target, row["stream"], row["ack_floor"], ("", row["consumer"]))
         await jsm.reset_consumer(target, row["consumer"], row["position"])

@@ -21,6 +21,7 @@ from ferry.jobs.replicate.plan import (
     site_cluster,
     site_journal,
     site_session,
+    source_configs,
     streams_at,
 )
 from ferry.journal import KvJournal, owner_alive
@@ -44,6 +45,8 @@ async def start(
     check(topo, rep)
     streams = await streams_at(site_cluster(topo, rep.source), rep.streams, rep.source)
     dest_streams = {s: rep.dest_stream(s) for s in streams}
+    async with site_session(topo, rep.source) as snc:
+        await source_configs(snc, rep, streams)  # refuses what cannot be relayed, before anything changes
     if dry_run:  # read without creating the journal's bucket
         return {
             "dry_run": True,

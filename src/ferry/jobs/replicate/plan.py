@@ -132,6 +132,21 @@ async def streams_at(cluster: NatsCluster, glob: str, site: str) -> list[str]:
     return found
 
 
+async def source_configs(snc: Any, rep: Replication, streams: list[str]) -> dict[str, Any]:
+    """The configurations of the source's `streams`; a work-queue stream is refused (a relay reads
+    a stream without consuming it, which a work-queue stream allows no one)."""
+    from nats.js.api import RetentionPolicy
+
+    sources = {stream: (await snc.jsm().stream_info(stream)).config for stream in streams}
+    for stream, config in sources.items():
+        if config.retention == RetentionPolicy.WORK_QUEUE:
+            raise UsageError(
+                f"{stream} at {rep.source} is a work-queue stream: a relay reads a stream without consuming "
+                "it, which a work-queue stream allows no one; leave it out with --streams"
+            )
+    return sources
+
+
 async def ensure_streams(
     topo: Topology, rep: Replication, streams: list[str]
 ) -> tuple[list[str], bool, dict[str, str]]:
@@ -146,12 +161,13 @@ async def ensure_streams(
         site_session(topo, rep.source) as snc,
         site_session(topo, rep.dest) as dnc,
     ):
+        sources = await source_configs(snc, rep, streams)
         for stream in streams:
             name = rep.dest_stream(stream)
             try:
                 info = await dnc.jsm().stream_info(name)
             except NotFoundError:
-                config = (await snc.jsm().stream_info(stream)).config
+                config = sources[stream]
                 config.name = name
                 config.subjects = [rep.subject_prefix + s for s in config.subjects or []]
                 config.placement, config.mirror, config.sources = None, None, None

@@ -116,7 +116,7 @@ async def failover(
         },
     }
     await _save_site(topo, to, record)
-    emit("primary", site=to, replicated=replicated, consumers=len(consumers))
+    emit("primary", site=to, replicated=replicated, consumers=sum("refused" not in c for c in consumers))
     source_up = await _reachable(topo, src)
     deadline = time.monotonic() + (wait if reverse else 0)
     while not source_up and time.monotonic() < deadline:
