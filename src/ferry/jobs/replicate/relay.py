@@ -326,7 +326,7 @@ class Relay:
         tracker, warm = _Progress(self.topo, rep, after), False
         checkpoint_consumers = Checkpointer(rep.source, site_cluster(self.topo, rep.dest), rep.dest, rep.dest_stream,
                                             rep.subject_prefix)  # fmt: skip
-        next_checkpoint = time.monotonic()
+        next_checkpoint, checkpoint_error = time.monotonic(), ""
         try:
             while not lease.lost.is_set():
                 if lease.stop_requested.is_set():
@@ -348,9 +348,11 @@ class Relay:
                     next_checkpoint = time.monotonic() + self.consumers
                     try:
                         j.state["consumers"] = await checkpoint_consumers(tracker.nc, j.nc, streams)
-                        j.state["consumers_at"] = time.time()
+                        j.state["consumers_at"], checkpoint_error = time.time(), ""
                     except Exception as exc:  # relaying goes on; the copies stay where they were
-                        self.emit("error", message=f"consumer checkpoint: {first_line(exc)}")
+                        if first_line(exc) != checkpoint_error:  # said once while it fails the same way
+                            checkpoint_error = first_line(exc)
+                            self.emit("error", message=f"consumer checkpoint: {checkpoint_error}")
                 if self.metrics:
                     self.metrics.update(rep, j.state["progress"], j.state.get("consumers"))
                 with contextlib.suppress(TimeoutError):
