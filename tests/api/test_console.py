@@ -57,6 +57,15 @@ def test_promtool_accepts_the_alerts_and_every_panel_reads_a_family_serve_export
         assert names and names <= exported, f"{title}: {expr} reads {names - exported}"
 
 
+async def durable(topo: Any, site: str, stream: str, name: str) -> None:
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from ferry.brokers import nats as bnats
+
+    async with bnats.session(topo.nats(site)) as nc:
+        await nc.jsm().add_consumer(stream, ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT))
+
+
 def chromium(url: str, out: Path, *mode: str) -> tuple[str, list[str]]:
     """Open `url` headless for about 4 s of page time; (stdout, the page's console messages)."""
     got = subprocess.run(
@@ -160,6 +169,7 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
             topology=sites_topology,
             check=True,
         )
+        asyncio.run(durable(st, "nyc", "CONSOLE", "console-app"))  # for the consumer panels
         relay = Relay(sites_topology, tmp_path, "nyc", "sfo", "--metrics-port", str(relay_port))
         relay.event("relaying")
         procs.append(load(sites_topology, "nyc", "console.{n}", tmp_path / "relay-ledger", 300, None))
@@ -185,6 +195,8 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
             "Prometheus to scrape serve twice and the relay",
         )
         wait_for(lambda: prom_query(base, 'ferry_relay_relayed_total{job="ferry-relay"} > 0'), 20, "relayed")
+        wait_for(lambda: prom_query(base, 'ferry_relay_consumer_carried{job="ferry-serve-sites"} == 1'), 30,
+                 "the consumer checkpoint on record")  # fmt: skip
 
         # the relay dies under load: no relay is active, and its lag grows at the source
         relay.kill(signal.SIGKILL)
@@ -263,7 +275,7 @@ def test_prometheus_and_the_console_follow_a_move_an_evacuation_and_a_relay(
         # every rule loaded and evaluating; the relay's lag and its absence fire
         groups = httpx.get(f"{base}/api/v1/rules", timeout=10).json()["data"]["groups"]
         bad = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"]
-        assert not bad and sum(len(g["rules"]) for g in groups) == 6, bad
+        assert not bad and sum(len(g["rules"]) for g in groups) == ALERTS.read_text().count("- alert:"), bad
 
         def firing() -> set[str]:
             alerts = httpx.get(f"{base}/api/v1/alerts", timeout=10).json()["data"]["alerts"]

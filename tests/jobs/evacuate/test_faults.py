@@ -98,22 +98,43 @@ def test_a_rebalance_killed_at_every_step_is_finished_by_a_rerun_or_serve(
     it first): the rebalance ends, east-2 is no longer crowded, every acked message is held once,
     and nothing of it stays on record."""
     monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])  # serve's, as in the lab
-    topology = supercluster.path / "topology.yaml"
-    crowded("east-2")
     stream = f"RBF_{REBALANCE_STEPS.index((event, nth))}"
+    load = crowd_east_2(supercluster, crowded, clients, tmp_path, stream)
+    killed_at_event(event, nth, *REBALANCE, topology=supercluster.path / "topology.yaml")
+    rerun_rebalance(supercluster)  # resumes it, unless serve adopted it first
+    balanced_and_held(supercluster, load, stream, spark, tmp_path)
+
+
+REBALANCE = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
+REBALANCE += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--execute"]
+
+
+def crowd_east_2(supercluster: lab.LabState, crowded: Any, clients: Any, tmp_path: Path, stream: str) -> Any:
+    """300 JetStream clients writing to `stream` (ledger `tmp_path/ledger`), crowded on east-2
+    through HAProxy: the load, for :func:`balanced_and_held`."""
+    crowded("east-2")
     load = clients(tmp_path / "ledger", 40, stream)
     crowd_of(supercluster, load, "east-2")
     crowded.release()
-    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
-    args += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--execute"]
-    killed_at_event(event, nth, *args, topology=topology)
-    r = ferry(*args, "--json", topology=topology)  # resumes it, unless serve adopted it first
+    return load
+
+
+def rerun_rebalance(supercluster: lab.LabState) -> None:
+    """The same rebalance again: it finishes (or the lab's serve, which adopted it, does)."""
+    r = ferry(*REBALANCE, "--json", topology=supercluster.path / "topology.yaml")
     adopted = ("already running", "was taken over by another ferry")
     assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
+
+
+def balanced_and_held(supercluster: lab.LabState, load: Any, stream: str, spark: Any, tmp_path: Path) -> None:
+    """The rebalance off the record, HAProxy with every node, east-2 no longer crowded; the load
+    stopped, every message it had acked held once."""
     wait_for(lambda: api(supercluster, "GET", "/rebalances").json() == [], 120, "the rebalance to end")
+    wait_for(lambda: all(haproxy_up(supercluster).values()), 30, "HAProxy to have every east node in rotation")
     now = connections(supercluster)
     assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 25, now  # (clients still reconnecting: +5)
     finish(load)
+    topology = supercluster.path / "topology.yaml"
     t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
     assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
     print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")
@@ -165,15 +186,9 @@ def test_a_node_of_a_rebalance_killed_while_it_evicts(
     longer crowded, every acked message is held once, nothing of it stays on record, and HAProxy
     has every node back."""
     monkeypatch.setenv("FERRY_STATE_DIR", supercluster.lb["state_dir"])
-    topology = supercluster.path / "topology.yaml"
-    crowded("east-2")
     stream = f"RBN_{node[-1]}"
-    load = clients(tmp_path / "ledger", 40, stream)
-    crowd_of(supercluster, load, "east-2")
-    crowded.release()
-    args = ["cluster", "rebalance", "east", "--abs-conn-threshold", "20", "--wait-health-check", "3"]
-    args += ["--wait-takeover", "1", "--conn-evict-rate", "100", "--execute"]
-    proc = started_json(*args, topology=topology)
+    load = crowd_east_2(supercluster, crowded, clients, tmp_path, stream)
+    proc = started_json(*REBALANCE, topology=supercluster.path / "topology.yaml")
     try:
         wait_event(proc, "evicted")
         restart_node(supercluster, node, 3.0)
@@ -182,17 +197,8 @@ def test_a_node_of_a_rebalance_killed_while_it_evicts(
         print(f"fault cell: the first run ended {code}: {first['outcome']}")
         if code != 0:  # it stops, saying which node, and leaves nothing on record that holds a node back
             assert first["outcome"] == f"aborted: node {node} stopped answering", first
-            r = ferry(*args, "--json", topology=topology)
-            adopted = ("already running", "was taken over by another ferry")
-            assert r.returncode == 0 or any(a in r.stderr for a in adopted), r.stderr[-3000:]
+            rerun_rebalance(supercluster)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    wait_for(lambda: api(supercluster, "GET", "/rebalances").json() == [], 120, "the rebalance to end")
-    wait_for(lambda: all(haproxy_up(supercluster).values()), 30, "HAProxy to have every east node in rotation")
-    now = connections(supercluster)
-    assert now["east-2"] < (now["east-1"] + now["east-3"]) / 2 + 25, now
-    finish(load)
-    t = judge(spark, topology, tmp_path / "ledger", f"jetstream://east/{stream}", tmp_path / "audit.html")
-    assert t["lost"] == 0 and t["extra_copies"] == 0 and t["sent"] > 0, t
-    print(f"fault cell: {json.dumps({k: t[k] for k in ('sent', 'lost', 'extra_copies')} | {'now': now})}")
+    balanced_and_held(supercluster, load, stream, spark, tmp_path)

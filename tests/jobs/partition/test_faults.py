@@ -1,5 +1,5 @@
 """The repartition's fault matrix on the lab super-cluster (`make test-faults`; in `make test`, the
-kill at the switch of test_partition.py and the old owner's server killed stand for it): `ferry
+kill at the switch of test_partition.py stands for it): `ferry
 partition apply --execute` SIGKILLed at every event it emits, then the same command; killed again
 while it resumes; and the server of the old or the new owner killed while it copies. After each,
 every id is counted in both streams here: none lost, none held twice, each in its owner; the claim
@@ -19,7 +19,7 @@ from ferry import lab
 from tests.helpers import killed_at_event, restart_node, started_json, stream_leader, wait_event
 from tests.jobs.partition.setting import Setting
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark]  # each test marked faults but one cell, which `make test` runs
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.faults]
 
 # every event of a repartition, in order ("copying": the history's first progress report)
 EVENTS = ["plan", "claimed", "copying", "copied", "caught-up", "switched", "guard", "purged"]
@@ -37,7 +37,6 @@ def finished(s: Setting) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.mark.faults
 @pytest.mark.parametrize("event", EVENTS)
 def test_killed_at_every_event_the_same_command_finishes(
     supercluster: lab.LabState, tmp_path: Path, event: str
@@ -57,7 +56,6 @@ def test_killed_at_every_event_the_same_command_finishes(
         s.forget()
 
 
-@pytest.mark.faults
 @pytest.mark.parametrize("event", ["switched", "guard"])
 def test_killed_again_while_it_resumes(supercluster: lab.LabState, tmp_path: Path, event: str) -> None:
     s = Setting(supercluster, tmp_path, f"pr{event[0]}")
@@ -72,7 +70,7 @@ def test_killed_again_while_it_resumes(supercluster: lab.LabState, tmp_path: Pat
         s.forget()
 
 
-@pytest.mark.parametrize("whose", ["old", pytest.param("new", marks=pytest.mark.faults)])
+@pytest.mark.parametrize("whose", ["old", "new"])
 def test_the_server_of_a_stream_killed_while_it_copies(supercluster: lab.LabState, tmp_path: Path, whose: str) -> None:
     """The server holding the old owner (R1), or the new owner, SIGKILLed at the copy's first
     progress report and started again 3 s later, under acked load: the repartition finishes, by

@@ -1,12 +1,11 @@
 """The relay's and the site switches' fault cells (`make test-faults`; in `make test`, the standby
-taking over a killed relay, the failover/failback under load and the destination's server killed
-under the relay stand for them): the active relay's host stops answering for longer than its lease
-(its process group SIGSTOPped, as a host that freezes), the standby takes over, and then the first
-comes back (SIGCONT) with a micro-batch in flight; the same with the relay's host cut off from the
-destination by a network split (its process runs on); the source's or the destination's server
-killed under the relay; `site failover` and `site failback` SIGKILLed at each step they report,
-then run again; the relay's executor lost with its worker on the spark lab's cluster (issue 48).
-Every acked id is counted here: each once (issue 49)."""
+taking over a killed relay and the failover/failback under load stand for them): the active relay's
+host stops answering for longer than its lease (its process group SIGSTOPped, as a host that
+freezes), the standby takes over, and then the first comes back (SIGCONT) with a micro-batch in
+flight; the same with the relay's host cut off from the destination by a network split (its process
+runs on); the source's or the destination's server killed under the relay; `site failover` and `site
+failback` SIGKILLed at each step they report, then run again; the relay's executor lost with its
+worker on the spark lab's cluster (issue 48). Every acked id is counted here: each once (issue 49)."""
 
 from __future__ import annotations
 
@@ -33,24 +32,24 @@ from tests.helpers import (
     stream_count,
     wait_for,
 )
-from tests.jobs.replicate.test_replicate import define, exactly_once, finished, same_count, topology
+from tests.jobs.replicate.test_replicate import (
+    active_and_standby,
+    define,
+    exactly_once,
+    finished,
+    same_count,
+    topology,
+)
 
 __all__ = ["topology"]  # the fixture, shared with test_replicate.py
 
-pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600)]  # each test marked faults but one cell
+pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(600), pytest.mark.faults]
 
 
-@pytest.mark.faults
 def test_a_relay_frozen_past_its_lease_gives_way_and_nothing_arrives_twice(topology: Path, tmp_path: Path) -> None:
     topo = load_topology(topology)
     define(topology, "FROZEN")
-    a, b = Relay(topology, tmp_path, "nyc", "sfo"), None
-    try:
-        a.event("resume")
-        b = Relay(topology, tmp_path, "nyc", "sfo")
-        assert b.event("standby")["leader"]["pid"] == a.proc.pid
-        producers = load(topology, "nyc", "frozen.{n}", tmp_path / "ledger", 2000, 15)
-        wait_for(lambda: stream_count(topo, "sfo", "FROZEN") > 3000, 60, "relaying")
+    with active_and_standby(topology, tmp_path, "FROZEN", 15) as (a, b, producers):
         a.kill(signal.SIGSTOP)  # alive to its host (its pid runs), silent to everyone: only the lease tells
         frozen = time.time()
         took_over = b.event("active", timeout=60)["t"] - frozen
@@ -66,15 +65,8 @@ def test_a_relay_frozen_past_its_lease_gives_way_and_nothing_arrives_twice(topol
         assert n >= summary["acked"], (n, summary)
         time.sleep(2.0)  # a relay still writing would add copies now
         assert stream_count(topo, "sfo", "FROZEN") == n
-    finally:
-        for r in (a, b):
-            if r:
-                with contextlib.suppress(ProcessLookupError):
-                    r.kill(signal.SIGCONT)
-                r.close()
 
 
-@pytest.mark.faults
 def test_a_relay_split_from_its_destination_past_its_lease_gives_way(topology: Path, tmp_path: Path) -> None:
     """The active relay's every connection to the destination goes through a network split held
     for three leases (its process runs on; what it sends waits in the split, as TCP's retransmits
@@ -83,21 +75,16 @@ def test_a_relay_split_from_its_destination_past_its_lease_gives_way(topology: P
     topo = load_topology(topology)
     define(topology, "SPLIT")
     raw = yaml.safe_load(topology.read_text())
-    splits = []
-    for site in raw["sites"].values():
-        for b in site["clusters"].get("sfo", {}).get("brokers", []):
-            splits.append(NetSplit(b["url"].split("://", 1)[1]))
-            b["url"] = f"nats://127.0.0.1:{splits[-1].port}"
-    assert splits, raw
-    behind = tmp_path / "topology-behind-a-split.yaml"
-    behind.write_text(yaml.safe_dump(raw))
-    a, b = Relay(behind, tmp_path, "nyc", "sfo"), None
-    try:
-        a.event("resume")
-        b = Relay(topology, tmp_path, "nyc", "sfo")
-        assert b.event("standby")["leader"]["pid"] == a.proc.pid
-        producers = load(topology, "nyc", "split.{n}", tmp_path / "ledger", 2000, 20)
-        wait_for(lambda: stream_count(topo, "sfo", "SPLIT") > 3000, 60, "relaying")
+    with contextlib.ExitStack() as closing:
+        splits = []
+        for site in raw["sites"].values():
+            for b in site["clusters"].get("sfo", {}).get("brokers", []):
+                splits.append(closing.enter_context(contextlib.closing(NetSplit(b["url"].split("://", 1)[1]))))
+                b["url"] = f"nats://127.0.0.1:{splits[-1].port}"
+        assert splits, raw
+        behind = tmp_path / "topology-behind-a-split.yaml"
+        behind.write_text(yaml.safe_dump(raw))
+        a, b, producers = closing.enter_context(active_and_standby(topology, tmp_path, "SPLIT", 20, behind))
         for s in splits:
             s.split()
         split_at = time.time()
@@ -114,17 +101,9 @@ def test_a_relay_split_from_its_destination_past_its_lease_gives_way(topology: P
         exactly_once(topo, "sfo", "SPLIT", [tmp_path / "ledger"])
         assert n >= summary["acked"], (n, summary)
         print(f"fault cell: {json.dumps({'acked': summary['acked'], 'held': n, 'took_over_s': round(took_over, 1)})}")
-    finally:
-        for r in (a, b):
-            if r:
-                r.close()
-        for s in splits:
-            s.close()
 
 
-@pytest.mark.parametrize(
-    "site", [pytest.param("nyc", id="source", marks=pytest.mark.faults), pytest.param("sfo", id="destination")]
-)
+@pytest.mark.parametrize("site", [pytest.param("nyc", id="source"), pytest.param("sfo", id="destination")])
 def test_a_site_server_killed_under_the_relay_is_ridden_out(
     sites: lab.LabState, topology: Path, tmp_path: Path, site: str
 ) -> None:
@@ -157,7 +136,6 @@ def test_a_site_server_killed_under_the_relay_is_ridden_out(
 STREAMS = ("SWA", "SWB")
 
 
-@pytest.mark.faults
 def test_site_failover_and_failback_killed_at_each_step_then_run_again(
     sites: lab.LabState, topology: Path, tmp_path: Path
 ) -> None:
@@ -218,7 +196,6 @@ def test_site_failover_and_failback_killed_at_each_step_then_run_again(
 
 
 @pytest.mark.cluster
-@pytest.mark.faults
 def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
     topology: Path, tmp_path: Path, spark_cluster: lab.LabState
 ) -> None:
@@ -249,7 +226,6 @@ def test_a_relay_whose_executor_dies_with_its_worker_relays_each_message_once(
 RELAY_EVENTS = [("active", 1), ("resume", 1), ("relaying", 1)]
 
 
-@pytest.mark.faults
 @pytest.mark.parametrize(("event", "nth"), RELAY_EVENTS, ids=[e for e, _ in RELAY_EVENTS])
 def test_a_relay_killed_at_every_event_then_run_again_relays_each_message_once(
     topology: Path, tmp_path: Path, event: str, nth: int

@@ -7,6 +7,7 @@ Relays are real `ferry replicate run` processes (each its own Spark driver).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -197,18 +198,35 @@ def test_status_tells_a_started_replication_from_a_running_relay(topology: Path,
         relay.close()
 
 
+@contextlib.contextmanager
+def active_and_standby(
+    topology: Path, tmp_path: Path, stream: str, seconds: float, active_topology: Path | None = None
+) -> Iterator[tuple[Relay, Relay, subprocess.Popen]]:
+    """A relay nyc -> sfo (its topology `active_topology` if given), a standby behind it, and
+    producers at 2,000 msg/s for `seconds` on ``<stream>.{n}`` (ledger `tmp_path/ledger`), once sfo
+    holds 3,000 of them; both relays (frozen or not) closed at the end."""
+    relays: list[Relay] = []
+    try:
+        relays.append(Relay(active_topology or topology, tmp_path, "nyc", "sfo"))
+        relays[0].event("resume")
+        relays.append(Relay(topology, tmp_path, "nyc", "sfo"))
+        assert relays[1].event("standby")["leader"]["pid"] == relays[0].proc.pid
+        producers = load(topology, "nyc", f"{stream.lower()}.{{n}}", tmp_path / "ledger", 2000, seconds)
+        wait_for(lambda: stream_count(load_topology(topology), "sfo", stream) > 3000, 60, "relaying")
+        yield relays[0], relays[1], producers
+    finally:
+        for r in relays:
+            with contextlib.suppress(ProcessLookupError):
+                r.kill(signal.SIGCONT)  # one a test froze
+            r.close()
+
+
 def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
     topology: Path, tmp_path: Path, spark: Any
 ) -> None:
     topo = load_topology(topology)
     define(topology, "FAIL")
-    a, b, c = Relay(topology, tmp_path, "nyc", "sfo"), None, None
-    try:
-        a.event("resume")
-        b = Relay(topology, tmp_path, "nyc", "sfo")
-        assert b.event("standby")["leader"]["pid"] == a.proc.pid
-        producers = load(topology, "nyc", "fail.{n}", tmp_path / "ledger", 2000, 12)
-        wait_for(lambda: stream_count(topo, "sfo", "FAIL") > 3000, 60, "relaying")
+    with active_and_standby(topology, tmp_path, "FAIL", 12) as (a, b, producers):
 
         def checkpoints() -> list[Path]:
             return list(Path(tempfile.gettempdir()).glob(f"ferry-relay-{a.proc.pid}-*"))
@@ -231,17 +249,13 @@ def test_standby_takes_over_a_killed_relay_and_a_stop_marker_spares_the_scan(
         assert b.proc.wait(timeout=30) == 0
         more = finished(load(topology, "nyc", "fail.{n}", tmp_path / "ledger2", 1000, 3))
         ferry("replicate", "start", "--from", "nyc", "--to", "sfo", "--streams", "FAIL", topology=topology, check=True)
-        c = Relay(topology, tmp_path, "nyc", "sfo")
-        assert c.event("resume")["source"] == "marker"
-        n = same_count(topo, "FAIL")
-        assert n == summary["acked"] + more["acked"]
-        sfo = ids(topo, "sfo", "FAIL")
-        assert len(sfo) == len(set(sfo)) == n
-        ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
-    finally:
-        for r in (a, b, c):
-            if r:
-                r.close()
+        with contextlib.closing(Relay(topology, tmp_path, "nyc", "sfo")) as c:
+            assert c.event("resume")["source"] == "marker"
+            n = same_count(topo, "FAIL")
+            assert n == summary["acked"] + more["acked"]
+            sfo = ids(topo, "sfo", "FAIL")
+            assert len(sfo) == len(set(sfo)) == n
+            ferry("replicate", "stop", "--from", "nyc", "--to", "sfo", topology=topology, check=True)
 
 
 def test_both_ways_without_cycles(topology: Path, tmp_path: Path, spark: Any) -> None:
