@@ -466,8 +466,9 @@ def test_rabbitmq_evacuation_closes_connections_at_a_rate_and_moves_quorum_leade
         took = t["waiting_takeover"] - t["evicting_conns"]
         n = result["evicted"]["connections"]
         expected = (n - 1) / 20  # the first at once, then 20 per second
-        # never faster than the rate; slower only by what listing connections costs on a busy machine
-        assert n >= 40 and expected * 0.8 <= took <= expected * 2 + 1, f"{n} connections in {took:.1f}s: {evs}"
+        # never faster than the rate; slower only by what listing and closing connections cost on a busy
+        # machine (CI once took 6.3 s for 40 at 20/s)
+        assert n >= 40 and expected * 0.8 <= took <= expected * 3 + 3, f"{n} connections in {took:.1f}s: {evs}"
         assert result["now"]["connections"] == 0 and result["evicted"]["sessions"] >= len(queues), result
         assert first.node not in set(leaders().values()), leaders()
         assert not port_open(urllib.parse.urlsplit(first.url).port or 0)  # maintenance mode: no new clients at all
@@ -1188,11 +1189,14 @@ def test_core_publishes_in_an_evacuations_step_downs_are_guarded(
     asyncio.run(make_stream(topo, "east", "EVAC_G", ["evac_g.>"], placement="east"))
     node = asyncio.run(stream_leader(topo, "east", "EVAC_G"))
     other = next(b.url for b in topo.nats("east").brokers if b.name != node)  # the load stays connected
-    load = start_load(topology, "nats://east", "evac_g.{n}", tmp_path / "ledger", 8, "--no-msg-id", "--url", other)
+    # until the evacuation ends (CI once saw an 8 s load end before a busy machine's step-down: nothing heard)
+    extra = ("--no-msg-id", "--url", other, "--until-signal")
+    load = start_load(topology, "nats://east", "evac_g.{n}", tmp_path / "ledger", 120, *extra)
     try:
         time.sleep(2)
         args = ["node", "evacuate", node, "--wait-health-check", "0", "--wait-takeover", "0", "--json"]
         r = ferry(*args, topology=topology)
+        load.send_signal(signal.SIGTERM)
         finish(load)
         assert r.returncode == 0, r.stderr[-2000:]
         result = json.loads(r.stdout)
