@@ -151,6 +151,14 @@ def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:
     }
 
 
+def lab_root() -> Path:
+    """A new directory for a benchmark's lab (``FERRY_LAB_DIR``), which the brokers' users can read."""
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
+    root.chmod(0o755)
+    os.environ["FERRY_LAB_DIR"] = str(root)
+    return root
+
+
 def mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
 

@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench._util import cpu_seconds, save_rows, tree
+from bench._util import cpu_seconds, lab_root, save_rows, tree
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.journal import Journal, open_bucket
@@ -154,9 +153,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="15 scrapes")
     args = parser.parse_args()
     n = 15 if args.quick else args.scrapes
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     stop = threading.Event()
     serve = None
     try:

@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench._util import PeakRss, mb, run_ferry, save_rows, tree
+from bench._util import PeakRss, lab_root, mb, run_ferry, save_rows, tree
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.publish import Publisher
@@ -302,9 +300,7 @@ def main() -> None:
     parser.add_argument("--batched-only", action="store_true", help="JetStream: only the cases that batch")
     args = parser.parse_args()
     n = 100_000 if args.quick else args.messages
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows: list[dict[str, Any]] = []
     try:
         if args.only in (None, "rabbitmq"):

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from bench._util import save_rows
+from bench._util import lab_root, save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.topology import Topology, load_topology
@@ -234,9 +233,7 @@ def main() -> None:
     if a.quick:
         a.clients, a.rate = 300, 30
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the lab below is taken down
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows = []
     try:
         lb = Lab(lab.up("supercluster", root, log=lambda _: None, haproxy=True))

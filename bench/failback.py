@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from bench._util import run_ferry, save_rows
+from bench._util import lab_root, run_ferry, save_rows
 from ferry import lab
 from ferry.brokers.rabbitmq import Management, amqp_connect, q
 from ferry.brokers.rabbitmq.wire import QueueCounts
@@ -195,9 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     try:
         rows = bench(root, args.runs)
     finally:

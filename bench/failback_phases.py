@@ -18,11 +18,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from bench import failback as bf
+from bench._util import lab_root
 from ferry import lab
 from ferry.topology import load_topology
 
@@ -33,9 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     walls = []
     try:
         state = lab.up("rabbit-dr", root, log=lambda _: None)

@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import tempfile
-from pathlib import Path
 
 from nats.js.api import Placement, StreamConfig
 
+from bench._util import lab_root
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.publish import BatchPublisher
@@ -80,8 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
     a = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     totals: dict[str, int] = {}
     try:
         state = lab.up("supercluster", root, log=lambda _: None)

@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -39,7 +38,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from bench._util import save_rows
+from bench._util import lab_root, save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats import jsapi
@@ -181,9 +180,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5,000 prefilled, one run per case")
     args = parser.parse_args()
     prefill, runs = (5_000, 1) if args.quick else (args.prefill, args.runs)
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows: list[dict[str, Any]] = []
     try:
         lab.up("supercluster", root, log=lambda _: None)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from bench import move as bm
+from bench._util import lab_root
 from ferry import lab
 from ferry.jobs import move as mv
 from ferry.jobs.shared.guard import Guard, Stored
@@ -68,9 +66,7 @@ def main() -> None:
         timed(mv, name, name)
     timed(Guard, "start", "guard.start")
     timed(Stored, "since", "stored since")
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     try:
         lab.up("supercluster", root, log=lambda _: None)
         topology = root / "topology.yaml"

@@ -41,12 +41,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench._util import save_rows
+from bench._util import lab_root, save_rows
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.brokers.nats.jsapi import stream_info, ts_ns
@@ -170,9 +169,7 @@ def main() -> None:
     if a.quick:
         a.rates, a.seconds, a.backlog = "2000,5000", 8, 50_000
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the lab below is taken down
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows: list[dict[str, Any]] = []
     relay = None
     try:

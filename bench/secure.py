@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench._util import run_ferry, save_rows
+from bench._util import lab_root, run_ferry, save_rows
 from bench.copy import QUEUES, fill_queues
 from bench.move import make, one
 from ferry import lab
@@ -73,9 +71,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20,000 messages, one round")
     args = parser.parse_args()
     n, runs = (20_000, 1) if args.quick else (args.messages, args.runs)
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows: list[dict[str, Any]] = []
     roots: dict[str, Path] = {}
     try:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import audit as audit_bench
 from bench import copy as copy_bench
-from bench._util import run_ferry, save_rows
+from bench._util import lab_root, run_ferry, save_rows
 from ferry import lab
 from ferry.topology import load_topology
 
@@ -174,9 +173,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["jetstream", "rabbitmq", "audit"])
     args = parser.parse_args()
     n, rows_n = (100_000, 1_000_000) if args.quick else (args.messages, args.rows)
-    root = Path(tempfile.mkdtemp(prefix="ferry-bench-", dir="/tmp"))
-    root.chmod(0o755)
-    os.environ["FERRY_LAB_DIR"] = str(root)
+    root = lab_root()
     rows: list[dict[str, Any]] = []
     try:
         spark = lab.up("spark", root, log=lambda _: None)
