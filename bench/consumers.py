@@ -44,12 +44,11 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from bench._util import cpu_seconds, lab_root, save_rows, tree
-from bench.replicate import run_ferry, times
+from bench.replicate import run_ferry, start_relay, times
 from ferry import lab
 from ferry.brokers import nats as bnats
 from ferry.topology import Topology, load_topology
 
-FERRY = [sys.executable, "-m", "ferry"]
 SUBJECTS = 10
 
 
@@ -93,20 +92,6 @@ class Apps:
                     return
                 await m.ack()
                 acked[m.headers["Nats-Msg-Id"]] = time.time()
-
-
-def start_relay(topology: Path, root: Path, interval: float) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-    log_path = root / f"relay-{interval:g}.log"
-    cmd = [*FERRY, "replicate", "run", "--from", "nyc", "--to", "sfo", "--json", "--consumer-interval", f"{interval:g}"]
-    with log_path.open("w") as log:
-        relay = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while '"relaying"' not in log_path.read_text():
-        if time.monotonic() > deadline or relay.poll() is not None:
-            raise SystemExit(f"the relay did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.5)
-    return relay
 
 
 def define(topology: Path, stream: str) -> None:
@@ -161,7 +146,8 @@ def one_round(topo: Topology, topology: Path, root: Path, n: int, interval: floa
     apps = Apps(topo, stream)
     asyncio.run(apps.make())
     define(topology, stream)
-    relay = start_relay(topology, root, interval)
+    relay = start_relay(topology, root / f"relay-{interval:g}.log", "--from", "nyc", "--to", "sfo",
+                        "--consumer-interval", f"{interval:g}")  # fmt: skip
     try:
         apps.thread.start()
         cpu0 = cpu_seconds(tree(relay.pid))

@@ -148,6 +148,26 @@ def step(
     return row
 
 
+def start_relay(topology: Path, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`ferry replicate run ARGS --json` in a session of its own, its events in `log_path`, once it
+    relays (its first micro-batch done)."""
+    env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
+    with log_path.open("w") as log:
+        relay = subprocess.Popen(
+            [*FERRY, "replicate", "run", *args, "--json"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while '"relaying"' not in log_path.read_text():
+        if time.monotonic() > deadline or relay.poll() is not None:
+            raise SystemExit(f"the relay did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.5)
+    return relay
+
+
 def highest_sustained(rows: list[dict[str, Any]]) -> int:
     """The highest rate sustained with every lower rate sustained too."""
     best = 0
@@ -185,20 +205,7 @@ def main() -> None:
         print(f"native sourcing drained {a.backlog:,} at {drain['native']:,.0f} msg/s", flush=True)
         start = ["replicate", "start", "--from", "east", "--to", "west", "--streams", "BENCH_F"]
         run_ferry(topology, *start, "--stream-name", "{stream}_W", "--subject-prefix", "relay.")
-        env = {**os.environ, "FERRY_TOPOLOGY": str(topology)}
-        log = (root / "relay.log").open("w")
-        relay = subprocess.Popen(
-            [*FERRY, "replicate", "run", "--from", "east", "--to", "west", "--json"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 180
-        while '"relaying"' not in (root / "relay.log").read_text():
-            if time.monotonic() > deadline or relay.poll() is not None:
-                raise SystemExit(f"the relay did not start: {(root / 'relay.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        relay = start_relay(topology, root / "relay.log", "--from", "east", "--to", "west")
         drain["ferry"] = drained(topo, "BENCH_F_W", a.backlog)
         print(f"ferry's relay drained {a.backlog:,} at {drain['ferry']:,.0f} msg/s", flush=True)
         for rate in (int(r) for r in a.rates.split(",")):
