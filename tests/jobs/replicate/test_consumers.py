@@ -366,3 +366,48 @@ def test_a_work_queue_stream_is_refused_and_nothing_changes(topology: Path) -> N
             return "JOBS" in [s.config.name for s in await nc.jsm().streams_info()]
 
     assert not asyncio.run(at_sfo()), "JOBS was created at sfo"
+
+
+def test_a_floor_translates_among_foreign_local_and_deleted_messages(topology: Path) -> None:
+    """A position is the first message relayed from the consumer's stream above its ack floor,
+    found by binary search, however the destination interleaves it: runs of sfo's own messages
+    longer than the search gets one by one, another origin stream's, deleted ones, a purged start.
+    Checked against a scan for every floor, with and without an earlier answer as a hint, right
+    or wrong."""
+    from ferry.jobs.replicate.consumers import GETS, Translator
+
+    topo = load_topology(topology)
+    stream, origin = "MIX", ("nyc", "MIX")
+    asyncio.run(make_stream(topo, "sfo", stream, ["mix.>"], replicas=1))
+
+    async def build_and_check() -> list[tuple[int, int, int]]:
+        async with bnats.session(topo.nats("sfo")) as nc:
+            js, jsm, seqs = nc.jetstream(), nc.jsm(), {}  # destination seq -> (origin site, stream, seq)
+            for i in range(1, 61):
+                run = GETS * 2 if i in (10, 40) else i % 3  # two runs that need the window read
+                for _ in range(run):
+                    which = ("nyc", "OTHER", 1000 + i) if i % 2 else None
+                    headers = {} if which is None else {"Ferry-Origin-Site": "nyc", "Ferry-Origin-Stream": "OTHER",
+                                                        "Ferry-Origin-Seq": str(which[2])}  # fmt: skip
+                    seqs[(await js.publish("mix.local", b"x", headers=headers or None)).seq] = which
+                h = {"Ferry-Origin-Site": "nyc", "Ferry-Origin-Stream": "MIX", "Ferry-Origin-Seq": str(i * 2)}
+                seqs[(await js.publish("mix.relayed", b"x", headers=h)).seq] = (*origin, i * 2)
+            for seq in [s for s, w in seqs.items() if w and w[:2] == origin][5::7]:  # some relayed ones deleted
+                await jsm.delete_msg(stream, seq)
+                del seqs[seq]
+            await jsm.purge_stream(stream, seq=4)  # the start gone
+            seqs = {s: w for s, w in seqs.items() if s >= 4}
+            last = max(seqs)
+            translate, wrong, answers = Translator(topo.nats("sfo"), "sfo", "nyc"), [], {}
+            for floor in range(0, 124):
+                want = answers[floor] = min(
+                    (s for s, w in seqs.items() if w and w[:2] == origin and w[2] > floor), default=last + 1
+                )
+                earlier = (max(0, floor - 7), answers[max(0, floor - 7)])  # a checkpoint's hint
+                for hint in (None, earlier, (earlier[0], earlier[1] + 3), (floor, 1)):  # right or wrong
+                    got = await translate.seq_after(nc, stream, "MIX", floor, hint)
+                    if got != want:
+                        wrong.append((floor, hint, got, want))
+            return wrong
+
+    assert asyncio.run(build_and_check()) == []

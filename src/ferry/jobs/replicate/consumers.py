@@ -26,7 +26,7 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
-from ferry.brokers.nats.reader import Range, ReadConfig, read_range, stream_states
+from ferry.brokers.nats.reader import Range, ReadConfig, read_range
 from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
 from ferry.subjects import overlaps
 from ferry.topology import NatsCluster
@@ -35,7 +35,8 @@ ORIGIN = "ferry.origin"  # metadata of a copy: the site, stream and consumer it 
 ORIGIN_STREAM = "ferry.origin-stream"
 FLOOR = "ferry.origin-ack-floor"
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"  # a copy delivers nothing until a failover resumes it
-WINDOW = 2_000  # destination messages read per step of a translation
+GETS = 8  # messages got one by one in a translation before reading a window of them
+WINDOW = 2_000  # destination messages read per window
 
 
 @dataclass
@@ -92,48 +93,69 @@ async def positions(nc: Any, streams: list[str]) -> list[Position]:
 
 @dataclass
 class Translator:
-    """Source ack floors to destination sequences for one destination stream, remembering the last
-    answer per consumer so that each checkpoint reads only what the consumer moved past."""
+    """Source ack floors to destination sequences for one destination stream, by binary search
+    over the origin sequences the relay stamped (it stores each source stream's messages in their
+    order, so they rise with the destination's sequence): a few message gets per consumer, however
+    far it moved since the last checkpoint."""
 
     cluster: NatsCluster
     site: str  # the destination's
     origin: str  # the source site
-    known: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (stream, name) -> (floor, seq)
 
-    async def seq_after(self, dest_stream: str, origin_stream: str, floor: int, key: tuple[str, str]) -> int:
+    async def seq_after(
+        self, nc: Any, dest_stream: str, origin_stream: str, floor: int, hint: tuple[int, int] | None = None
+    ) -> int:
         """The destination sequence of the first message relayed from (origin, origin_stream) whose
-        origin sequence is above `floor`; the destination's last sequence + 1 when there is none."""
-        info = (await stream_states(self.cluster, [dest_stream], name=self.site))[dest_stream]
-        first, last = max(1, info["first_seq"]), info["last_seq"]
-        before = self.known.get(key)
-        lo = before[1] if before and before[0] <= floor and before[1] >= first else await self._back(
-            dest_stream, origin_stream, floor, first, last
-        )  # fmt: skip
-        cfg = self._read(dest_stream)
-        seq = last + 1
-        while lo <= last and seq > last:
-            hi = min(last, lo + WINDOW - 1)
-            found = [s for s, o in await _origins(cfg, dest_stream, lo, hi, self.origin, origin_stream) if o > floor]
-            seq = min(found, default=seq)
-            lo = hi + 1
-        self.known[key] = (floor, min(seq, last + 1))
-        return seq
+        origin sequence is above `floor`; the destination's last sequence + 1 when there is none.
+        `hint`: an earlier answer (floor, sequence), from which a relay that stored nothing else
+        in between puts the answer `floor` - that floor further: two gets when it does."""
+        state = (await nc.jsm().stream_info(dest_stream)).state
+        lo, top = max(1, state.first_seq), state.last_seq + 1
+        best = top
+        if hint and lo < (guess := hint[1] + floor - hint[0]) <= top:
+            below = await self._next_origin(nc, dest_stream, origin_stream, guess - 1, top)
+            if below and below[1] <= floor:  # the answer is the next of its messages, if above the floor
+                lo = below[0] + 1
+                above = await self._next_origin(nc, dest_stream, origin_stream, lo, top)
+                if above is None or above[1] > floor:
+                    return above[0] if above else top
+                lo = above[0] + 1
+        # the answer is the smaller of `best` and the first such message in [lo, top)
+        while lo < top:
+            mid = (lo + top) // 2
+            found = await self._next_origin(nc, dest_stream, origin_stream, mid, top)
+            if found is None:  # none of this origin's messages in [mid, top)
+                top = mid
+            elif found[1] > floor:
+                best = top = found[0]
+            else:  # every one of its messages up to found[0] is at or below the floor
+                lo = found[0] + 1
+        return best
 
-    async def _back(self, dest_stream: str, origin_stream: str, floor: int, first: int, last: int) -> int:
-        """Where to read forward from: the start of the last window (read backwards from the end,
-        doubling) holding this origin's messages at or below `floor` and none above it."""
-        cfg = self._read(dest_stream)
-        hi, window = last, WINDOW
-        while hi >= first:
-            lo = max(first, hi - window + 1)
-            seen = [o for _, o in await _origins(cfg, dest_stream, lo, hi, self.origin, origin_stream)]
-            if seen and max(seen) <= floor:
-                return lo
-            hi, window = lo - 1, window * 2
-        return first
-
-    def _read(self, stream: str) -> ReadConfig:
-        return ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(stream,))
+    async def _next_origin(
+        self, nc: Any, stream: str, origin_stream: str, seq: int, top: int
+    ) -> tuple[int, int] | None:
+        """(destination seq, origin seq) of the first message from (origin, origin_stream) in
+        [seq, top): a get per message while they come from elsewhere, windows after a few."""
+        jsm = nc.jsm()
+        for _ in range(GETS):
+            try:
+                msg = await jsm.get_msg(stream, seq, subject=">", next=True)
+            except NotFoundError:
+                return None
+            if msg.seq >= top:
+                return None
+            h = msg.headers or {}
+            if h.get(ORIGIN_SITE_HDR) == self.origin and h.get(ORIGIN_STREAM_HDR) == origin_stream:
+                return msg.seq, int(h[ORIGIN_SEQ_HDR])
+            seq = msg.seq + 1
+        cfg = ReadConfig(cluster=self.cluster.model_dump_json(), name=self.site, streams=(stream,))
+        while seq < top:  # this site's own messages, or another origin's, between the relayed ones
+            hi = min(top - 1, seq + WINDOW - 1)
+            if found := await _origins(cfg, stream, seq, hi, self.origin, origin_stream):
+                return min(found)
+            seq = hi + 1
+        return None
 
 
 async def _origins(
@@ -215,13 +237,14 @@ class Checkpointer:
         subjects = {s: (await src_nc.jsm().stream_info(s)).config.subjects or [] for s in {p.stream for p in found}}
         for p in found:
             key, target = (p.stream, p.name), self.dest_stream(p.stream)
-            seq = await self.translator.seq_after(target, p.stream, p.ack_floor, key)
+            before = self.placed.get(key)
+            seq = await self.translator.seq_after(dest_nc, target, p.stream, p.ack_floor, before and before[:2])
             shape = repr(sorted(p.config.items()))
             row = {"stream": p.stream, "consumer": p.name, "ack_floor": p.ack_floor, "position": seq}
             row |= {"acked_above_floor": p.acked_above_floor, "at": round(p.at, 3)}
             if why := unmatched(p, subjects[p.stream]):
                 row["unmatched"] = why  # copied all the same: what it had not acknowledged may still be there
-            if self.placed.get(key) != (p.ack_floor, seq, shape):
+            if before != (p.ack_floor, seq, shape):
                 try:
                     if await place(jsm, target, p, seq, self.source, self.subject_prefix):
                         self.placed[key] = (p.ack_floor, seq, shape)
@@ -263,7 +286,7 @@ async def resume(nc: Any, rows: list[dict[str, Any]], translator: Translator, de
         if "refused" in row:  # not copied: nothing to resume
             continue
         target = dest_stream(row["stream"])
-        row["position"] = await translator.seq_after(target, row["stream"], row["ack_floor"], ("", row["consumer"]))
+        row["position"] = await translator.seq_after(nc, target, row["stream"], row["ack_floor"])
         await jsm.reset_consumer(target, row["consumer"], row["position"])
         await jsm.resume_consumer(target, row["consumer"])
 
@@ -296,7 +319,7 @@ async def home(
         # higher (a server SIGKILLed may come back with acks it confirmed but had not written yet)
         done = max(before.ack_floor if before else 0, int(meta.get(FLOOR) or 0))
         own = [o for _, o in await _origins(cfg, stream, p.ack_floor + 1, last, site, stream) if o > done]
-        seq = min(min(own, default=2**63), await brought.seq_after(stream, stream, p.ack_floor, (stream, p.name)))
+        seq = min(min(own, default=2**63), await brought.seq_after(here_nc, stream, stream, p.ack_floor))
         await _reset_or_recreate(here_js, stream, p, seq)
         await there_js.pause_consumer(stream, p.name, PAUSED_UNTIL)
         again = p.acked_above_floor + (before.acked_above_floor if before else 0)

@@ -324,9 +324,7 @@ class Relay:
         checkpoint = _checkpoint()
         query = await asyncio.to_thread(start_query, self.spark, self.topo, rep, after, checkpoint, batched, leaders)
         tracker, warm = _Progress(self.topo, rep, after), False
-        checkpoint_consumers = Checkpointer(rep.source, site_cluster(self.topo, rep.dest), rep.dest, rep.dest_stream,
-                                            rep.subject_prefix)  # fmt: skip
-        next_checkpoint, checkpoint_error = time.monotonic(), ""
+        checkpoints = asyncio.create_task(self._checkpoints(j, rep, tracker, streams)) if self.consumers else None
         try:
             while not lease.lost.is_set():
                 if lease.stop_requested.is_set():
@@ -344,15 +342,6 @@ class Relay:
                     self.emit("relaying")  # the first micro-batch is done: Spark's workers are up
                 j.state["progress"] = await tracker.update(offsets)
                 j.state["progress_at"] = time.time()  # saved with the next heartbeat
-                if self.consumers and time.monotonic() >= next_checkpoint and tracker.nc:
-                    next_checkpoint = time.monotonic() + self.consumers
-                    try:
-                        j.state["consumers"] = await checkpoint_consumers(tracker.nc, j.nc, streams)
-                        j.state["consumers_at"], checkpoint_error = time.time(), ""
-                    except Exception as exc:  # relaying goes on; the copies stay where they were
-                        if first_line(exc) != checkpoint_error:  # said once while it fails the same way
-                            checkpoint_error = first_line(exc)
-                            self.emit("error", message=f"consumer checkpoint: {checkpoint_error}")
                 if self.metrics:
                     self.metrics.update(rep, j.state["progress"], j.state.get("consumers"))
                 with contextlib.suppress(TimeoutError):
@@ -360,10 +349,35 @@ class Relay:
             self.emit("lost", owner=(await j.open() or {}).get("owner"))
             return "lost"
         finally:
+            if checkpoints:
+                checkpoints.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checkpoints
             if query.isActive:
                 await asyncio.to_thread(query.stop)
             shutil.rmtree(checkpoint, ignore_errors=True)
             await tracker.close()
+
+    async def _checkpoints(self, j: Any, rep: Replication, tracker: _Progress, streams: list[str]) -> None:
+        """Consumer checkpoints while the relay relays, each started early by twice the last one's
+        duration, so that the one on record is never older than the interval (its consumers' acks
+        since then are what a failover delivers again)."""
+        checkpoint = Checkpointer(rep.source, site_cluster(self.topo, rep.dest), rep.dest, rep.dest_stream,
+                                  rep.subject_prefix)  # fmt: skip
+        error = ""
+        while not tracker.nc:  # the source's connection, made by the relay's first progress update
+            await asyncio.sleep(0.1)
+        while True:
+            t0 = time.monotonic()
+            try:
+                j.state["consumers"] = await checkpoint(tracker.nc, j.nc, streams)
+                j.state["consumers_at"], error = time.time(), ""
+            except Exception as exc:  # relaying goes on; the copies stay where they were
+                if first_line(exc) != error:  # said once while it fails the same way
+                    error = first_line(exc)
+                    self.emit("error", message=f"consumer checkpoint: {error}")
+            took = time.monotonic() - t0
+            await asyncio.sleep(max(0.0, self.consumers - 2 * took))
 
     def _replay(self, rep: Replication, stream: str, holes: tuple[int, int], seqs: set[int]) -> int:
         return catch_up(self.spark, self.topo, rep, stream, *holes, _held_frame(self.spark, seqs))
