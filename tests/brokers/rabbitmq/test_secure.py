@@ -112,7 +112,6 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
         assert sorted(held_ids(topology, "pc1", q)) == sorted(held), q  # read and requeued: kept
 
 
-@pytest.mark.connect
 @pytest.mark.spark
 @pytest.mark.connect  # eight ferry commands: their Spark jobs on the suite's Connect server, not a JVM each
 def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(

@@ -33,7 +33,6 @@ from ferry.topology import NatsCluster
 
 ORIGIN = "ferry.origin"  # metadata of a copy: the site, stream and consumer it copies, and where it stood
 ORIGIN_STREAM = "ferry.origin-stream"
-FLOOR = "ferry.origin-ack-floor"
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"  # a copy delivers nothing until a failover resumes it
 GETS = 8  # messages got one by one in a translation before reading a window of them
 WINDOW = 2_000  # destination messages read per window
@@ -181,26 +180,24 @@ def copy_config(p: Position, origin: str, subject_prefix: str = "") -> ConsumerC
         cfg.filter_subject = subject_prefix + cfg.filter_subject if cfg.filter_subject else None
         cfg.filter_subjects = [subject_prefix + s for s in cfg.filter_subjects] if cfg.filter_subjects else None
     cfg.pause_until = PAUSED_UNTIL
-    cfg.metadata = {
-        **(cfg.metadata or {}),
-        ORIGIN: origin,
-        ORIGIN_STREAM: p.stream,
-        FLOOR: str(p.ack_floor),
-    }
+    cfg.metadata = {**(cfg.metadata or {}), ORIGIN: origin, ORIGIN_STREAM: p.stream}
     return cfg
 
 
-async def place(jsm: Any, dest_stream: str, p: Position, seq: int, origin: str, subject_prefix: str = "") -> bool:
-    """Create or update the copy of `p` in `dest_stream`, positioned so that it delivers from
-    destination sequence `seq` on; False, changing nothing, where an application's own consumer
-    of that name is."""
+async def place(
+    jsm: Any, dest_stream: str, p: Position, seq: int, origin: str, subject_prefix: str = "", configure: bool = True
+) -> bool:
+    """Create the copy of `p` in `dest_stream` (or update it: `configure`), positioned so that it
+    delivers from destination sequence `seq` on; False, changing nothing, where an application's
+    own consumer of that name is."""
     try:
         have = await jsm.consumer_info(dest_stream, p.name)
     except NotFoundError:
         have = None
     if have and not copied(have.config):
         return False
-    await jsm.add_consumer(dest_stream, copy_config(p, origin, subject_prefix))
+    if configure or have is None:
+        await jsm.add_consumer(dest_stream, copy_config(p, origin, subject_prefix))
     await jsm.reset_consumer(dest_stream, p.name, seq)
     return True
 
@@ -245,8 +242,9 @@ class Checkpointer:
             if why := unmatched(p, subjects[p.stream]):
                 row["unmatched"] = why  # copied all the same: what it had not acknowledged may still be there
             if before != (p.ack_floor, seq, shape):
+                configure = not before or before[2] != shape  # else only its position changes
                 try:
-                    if await place(jsm, target, p, seq, self.source, self.subject_prefix):
+                    if await place(jsm, target, p, seq, self.source, self.subject_prefix, configure):
                         self.placed[key] = (p.ack_floor, seq, shape)
                     else:
                         row["refused"] = f"{target} has a consumer {p.name} of its own"
@@ -292,7 +290,14 @@ async def resume(nc: Any, rows: list[dict[str, Any]], translator: Translator, de
 
 
 async def home(
-    here: NatsCluster, site: str, there: NatsCluster, primary: str, stream: str, here_nc: Any, there_nc: Any
+    here: NatsCluster,
+    site: str,
+    there: NatsCluster,
+    primary: str,
+    stream: str,
+    here_nc: Any,
+    there_nc: Any,
+    checkpoint: dict[str, int],
 ) -> list[dict[str, Any]]:
     """A fail-back to `site` (once `stream` is reconciled both ways): each consumer copied from
     `site` to `primary` is moved back to where the application stood at `primary`, its own
@@ -301,7 +306,8 @@ async def home(
     `site`'s own messages above its consumer's ack floor there (what it had acknowledged before
     the failover) and still unacknowledged at `primary` (read from the origin headers there after
     the copy's ack floor, which includes those `site` stored but never relayed, sent to `primary`
-    by the fail-back), and the messages brought from `primary` above the copy's floor."""
+    by the fail-back), and the messages brought from `primary` above the copy's floor.
+    `checkpoint`: each consumer's ack floor at `site` in the last checkpoint before the failover."""
     there_js, here_js, rows = there_nc.jsm(), here_nc.jsm(), []
     cfg = ReadConfig(cluster=there.model_dump_json(), name=primary, streams=(stream,))
     last = (await there_js.stream_info(stream)).state.last_seq
@@ -317,7 +323,7 @@ async def home(
             before = None
         # what it had acknowledged at `site`: its floor there, or where the last checkpoint saw it if
         # higher (a server SIGKILLed may come back with acks it confirmed but had not written yet)
-        done = max(before.ack_floor if before else 0, int(meta.get(FLOOR) or 0))
+        done = max(before.ack_floor if before else 0, checkpoint.get(p.name, 0))
         own = [o for _, o in await _origins(cfg, stream, p.ack_floor + 1, last, site, stream) if o > done]
         seq = min(min(own, default=2**63), await brought.seq_after(here_nc, stream, stream, p.ack_floor))
         await _reset_or_recreate(here_js, stream, p, seq)

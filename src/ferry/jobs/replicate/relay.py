@@ -161,6 +161,9 @@ def start_query(
     # each start has a name of its own: a query stopped after its lease was lost could stay listed as
     # active (the name taken for the session's life; CI saw every later start refused for it)
     name += f" #{next(_STARTS)}"
+    # an idle relay reports its progress every second (Spark's default: 10 s), so that `relaying`
+    # and the lag figures come as soon as it waits for messages
+    spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
     cfg = _write_cfg(topo, rep)
     relay_to = {
         "cluster": cfg.cluster,

@@ -259,8 +259,9 @@ async def _failback(
         # after `read_to`, TO holds what was brought back (never relayed forth) and any new writes
         progress[s] = {"relayed": read_to, "foreign": sent_back}
         async with site_session(topo, to) as here, site_session(topo, primary) as there:  # applications go home
+            floors = {r["consumer"]: r["ack_floor"] for r in fo.get("consumers") or [] if r["stream"] == s}
             came_home = await consumers_home(site_cluster(topo, to), to, site_cluster(topo, primary), primary, s,
-                                             here, there)  # fmt: skip
+                                             here, there, floors)  # fmt: skip
         report["streams"][s] = {"rpo": rpo, "recovered": sent_forth, "brought": sent_back, "consumers": came_home}
         emit("reconciled", stream=s, **report["streams"][s])
     # defined again before the records say TO is primary: a failback cut short between the two
