@@ -238,11 +238,11 @@ def test_durable_consumers_fail_over_and_back_where_they_were(sites: Any, topolo
 
 def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(topology: Path, tmp_path: Path) -> None:
     """The copies at sfo follow nyc's consumers, pull and push: made paused, moved as the consumer
-    acknowledges, deleted with it; the relay SIGKILLed (mid-checkpoint, every second) and started
-    again goes on from the copies it finds; the relay back (sfo -> nyc, both ways at once) never
-    copies a copy. An application's own consumer of the same name at the other site is left alone
-    and said refused; a consumer whose filter matches none of its stream's subjects any more is
-    said so (in status and the relay's metrics)."""
+    acknowledges, deleted with it; the relay SIGKILLed while a checkpoint makes 120 copies (some
+    made, not all) and started again finishes them and goes on from the copies it finds; the relay
+    back (sfo -> nyc, both ways at once) never copies a copy. An application's own consumer of the
+    same name at the other site is left alone and said refused; a consumer whose filter matches
+    none of its stream's subjects any more is said so (in status and the relay's metrics)."""
     topo = load_topology(topology)
     stream = "CONS2"
     define(topology, stream)
@@ -315,19 +315,46 @@ def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(to
         carried = 'ferry_relay_consumer_carried{{account="",consumer="{}",from="nyc",stream="CONS2",to="sfo"}} {}'
         for name, value in (("keep", 1.0), ("pushed", 1.0), ("stale", 0.0), ("theirs", 0.0)):
             assert carried.format(name, value) in metrics, (name, metrics)
-        forth.kill()  # its checkpoints run every second: killed in one or between two
+        bulk = [f"bulk-{i:03d}" for i in range(120)]
+
+        async def kill_mid_checkpoint() -> int:
+            """120 new consumers at nyc; the relay SIGKILLed while a checkpoint makes their copies
+            (some made, not all): how many it had made."""
+            async with bnats.session(topo.nats("sfo")) as nc:
+                count = nc.jsm().stream_info
+                base = (await count(stream)).state.consumer_count
+                async with bnats.session(topo.nats("nyc")) as src:
+                    for name in bulk:
+                        config = ConsumerConfig(durable_name=name, ack_policy=AckPolicy.EXPLICIT)
+                        await src.jsm().add_consumer(stream, config)
+                deadline = time.monotonic() + 60
+                while (await count(stream)).state.consumer_count - base < 2:  # (a reader may come and go)
+                    assert time.monotonic() < deadline, "no checkpoint began to copy the new consumers"
+                    await asyncio.sleep(0.002)
+                forth.kill()
+                return sum(1 for c in await nc.jsm().consumers_info(stream) if c.name in bulk)
+
+        made = asyncio.run(kill_mid_checkpoint())
+        assert 0 < made < len(bulk), made
         forth.close()
         floor = asyncio.run(consume(70))
         forth = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
         forth.event("relaying")
         wait_for(lambda: moved_to(floor), 30, "the new relay to move the copy on")
 
+        def all_copied() -> bool:
+            copies = asyncio.run(at("sfo"))
+            return all(n in copies and copies[n].paused and copies[n].ack_floor.stream_seq == 0 for n in bulk)
+
+        wait_for(all_copied, 30, "the new relay to finish the killed checkpoint's copies")
+
         async def drop() -> None:
             async with bnats.session(topo.nats("nyc")) as nc:
-                await nc.jsm().delete_consumer(stream, "gone")
+                for name in ["gone", *bulk]:
+                    await nc.jsm().delete_consumer(stream, name)
 
         asyncio.run(drop())
-        wait_for(lambda: "gone" not in asyncio.run(at("sfo")), 30, "the copy of a deleted consumer to go")
+        wait_for(lambda: not {"gone", *bulk} & set(asyncio.run(at("sfo"))), 30, "the copies of deleted consumers to go")
         time.sleep(2.0)  # the relay back has checkpointed sfo's consumers (the copies) a few times
         assert set(asyncio.run(at("nyc"))) == {"keep", "pushed", "stale", "theirs"}, "a copy was copied back"
         assert not any((c.config.metadata or {}).get("ferry.origin") for c in asyncio.run(at("nyc")).values())
