@@ -419,9 +419,8 @@ def test_a_copy_stopped_with_ctrl_c_is_on_record_as_stopped(supercluster: lab.La
     assert 0 < copied <= stream_count(topo, "west", "CDST_STOPPED") < N, stopped
 
 
-@pytest.mark.parametrize(
-    "batched", [pytest.param(False, marks=pytest.mark.faults), True]
-)  # unbatched: make test-faults
+@pytest.mark.faults  # make test-faults: make test's 25 minutes
+@pytest.mark.parametrize("batched", [False, True])
 def test_stream_copy_rides_out_the_kill_of_a_destination_server(
     supercluster: lab.LabState, source_stream: str, batched: bool
 ) -> None:
@@ -560,6 +559,7 @@ def test_a_backup_restored_into_a_queue_and_back_into_a_stream_keeps_its_order(
     assert [dict(r["headers"])["k"] for r in asyncio.run(read_stream(sc, "east", "BACKFROMQ"))] == expected
 
 
+@pytest.mark.faults  # make test-faults (make test's 25 minutes); a copy's Ctrl-C stays in make test
 def test_an_interrupted_backup_leaves_nothing_and_runs_again(
     supercluster: lab.LabState, source_stream: str, tmp_path: Path
 ) -> None:

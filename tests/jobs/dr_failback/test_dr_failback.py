@@ -182,6 +182,7 @@ def test_failback_resumes_after_being_killed_twice(dr: dict[str, Any], rabbit_dr
     assert counted == {"lost": 0, "duplicated": report["duplicates"], "extra": 0}, (counted, report["verification"])
 
 
+@pytest.mark.faults  # make test-faults: make test's 25 minutes
 @pytest.mark.parametrize("dr", [10_000], indirect=True)  # its shovels must outlive the kill by seconds
 def test_shovel_failback_killed_mid_transfer_adopts_its_shovels(dr: dict[str, Any], tmp_path: Path) -> None:
     topology, topo = dr["topology"], dr["topo"]
