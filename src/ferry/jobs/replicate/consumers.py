@@ -31,7 +31,7 @@ from ferry.headers import ORIGIN_SEQ_HDR, ORIGIN_SITE_HDR, ORIGIN_STREAM_HDR
 from ferry.subjects import overlaps
 from ferry.topology import NatsCluster
 
-ORIGIN = "ferry.origin"  # metadata of a copy: the site, stream and consumer it copies, and where it stood
+ORIGIN = "ferry.origin"  # metadata of a copy: the site and stream whose consumer it copies
 ORIGIN_STREAM = "ferry.origin-stream"
 PAUSED_UNTIL = "2999-01-01T00:00:00Z"  # a copy delivers nothing until a failover resumes it
 GETS = 8  # messages got one by one in a translation before reading a window of them
