@@ -102,14 +102,21 @@ class Translator:
     origin: str  # the source site
 
     async def seq_after(
-        self, nc: Any, dest_stream: str, origin_stream: str, floor: int, hint: tuple[int, int] | None = None
+        self,
+        nc: Any,
+        dest_stream: str,
+        origin_stream: str,
+        floor: int,
+        hint: tuple[int, int] | None = None,
+        ends: tuple[int, int] | None = None,
     ) -> int:
         """The destination sequence of the first message relayed from (origin, origin_stream) whose
         origin sequence is above `floor`; the destination's last sequence + 1 when there is none.
         `hint`: an earlier answer (floor, sequence), from which a relay that stored nothing else
-        in between puts the answer `floor` - that floor further: two gets when it does."""
-        state = (await nc.jsm().stream_info(dest_stream)).state
-        lo, top = max(1, state.first_seq), state.last_seq + 1
+        in between puts the answer `floor` - that floor further: two gets when it does. `ends`: the
+        destination stream's first and last sequence, when the caller read them already."""
+        first, last = ends or await stream_ends(nc, dest_stream)
+        lo, top = max(1, first), last + 1
         best = top
         if hint and lo < (guess := hint[1] + floor - hint[0]) <= top:
             below = await self._next_origin(nc, dest_stream, origin_stream, guess - 1, top)
@@ -155,6 +162,12 @@ class Translator:
                 return min(found)
             seq = hi + 1
         return None
+
+
+async def stream_ends(nc: Any, stream: str) -> tuple[int, int]:
+    """`stream`'s first and last sequence."""
+    state = (await nc.jsm().stream_info(stream)).state
+    return state.first_seq, state.last_seq
 
 
 async def _origins(
@@ -229,13 +242,17 @@ class Checkpointer:
         self.translator = Translator(self.dest_cluster, self.dest, self.source)
 
     async def __call__(self, src_nc: Any, dest_nc: Any, streams: list[str]) -> list[dict[str, Any]]:
-        jsm, rows = dest_nc.jsm(), []
+        jsm, rows, ends = dest_nc.jsm(), [], {}
         found = await positions(src_nc, streams)
         subjects = {s: (await src_nc.jsm().stream_info(s)).config.subjects or [] for s in {p.stream for p in found}}
         for p in found:
             key, target = (p.stream, p.name), self.dest_stream(p.stream)
             before = self.placed.get(key)
-            seq = await self.translator.seq_after(dest_nc, target, p.stream, p.ack_floor, before and before[:2])
+            if target not in ends:  # once per checkpoint (an older end only puts a copy earlier: delivered again)
+                ends[target] = await stream_ends(dest_nc, target)
+            seq = await self.translator.seq_after(
+                dest_nc, target, p.stream, p.ack_floor, before and before[:2], ends[target]
+            )
             shape = repr(sorted(p.config.items()))
             row = {"stream": p.stream, "consumer": p.name, "ack_floor": p.ack_floor, "position": seq}
             row |= {"acked_above_floor": p.acked_above_floor, "at": round(p.at, 3)}
