@@ -1,239 +1,30 @@
-"""Durable consumers fail over and back with their site (issue 52): applications consume at nyc
-through durable pull and push consumers with different filters and ways of acknowledging while the relay
-copies the consumers to sfo; nyc is SIGKILLed; `site failover --to sfo`; each application binds
-its durable name at sfo and consumes there; more is written at sfo; nyc comes back; `site
-failback --to nyc`; each binds at nyc again. At each site the test counts per consumer, by
-message id, that nothing it had acknowledged nowhere is skipped, and that what it had
-acknowledged comes again at most as the failover's or fail-back's report announced."""
+"""Durable consumers carried by the relay (issue 52): copies at the other site that follow their
+consumers, made and deleted with them, through a relay killed mid-checkpoint, never copied back;
+what is refused and said; a floor translated among messages of other origins. The consumers'
+failover and fail-back with their site: test_replicate.py's site failover test (:mod:`.apps`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from ferry.brokers import nats as bnats
+from ferry.jobs.replicate import consumers
 from ferry.lab.procs import free_ports
 from ferry.topology import load_topology
-from tests.helpers import Relay, ferry, load, make_stream, read_stream, stream_count, wait_for
-from tests.jobs.replicate.test_replicate import define, finished, topology
+from tests.helpers import Relay, ferry, make_stream, wait_for
+from tests.jobs.replicate.test_replicate import define, topology
 
 __all__ = ["topology"]  # the fixture, shared with test_replicate.py
 
 pytestmark = [pytest.mark.lab, pytest.mark.spark, pytest.mark.timeout(300)]
-
-STREAM = "CONS"
-
-
-@dataclass
-class App:
-    """One application at nyc: its durable consumer, how it acknowledges, what it acknowledged."""
-
-    name: str
-    filters: list[str]
-    how: str  # "in-order" | "reversed" (each batch's acks in reverse) | "late" (every 5th acked on redelivery)
-    push: bool = False  # delivered to a subject (in order) instead of fetched
-    acked: dict[str, float] = field(default_factory=dict)  # id -> when the server confirmed the ack (nyc)
-    unsure: set[str] = field(default_factory=set)  # an ack in flight as nyc died
-    acked_sfo: set[str] = field(default_factory=set)
-    checkpoint_at: float = 0.0  # the last checkpoint before the failover
-
-    def config(self) -> ConsumerConfig:
-        one = self.filters[0] if len(self.filters) == 1 else None
-        many = self.filters if len(self.filters) > 1 else None
-        return ConsumerConfig(
-            durable_name=self.name,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=2.0,
-            max_ack_pending=500,
-            filter_subject=one,
-            filter_subjects=many,
-            deliver_subject=f"deliver.{self.name}" if self.push else None,
-        )
-
-    async def bind(self, nc: Any) -> Callable[[int, float], Awaitable[list[Any]]]:
-        """Its durable at the site `nc` is connected to, as ``take(n, wait)``: up to n messages,
-        waiting `wait` s at most (nats-py raises a TimeoutError when none came)."""
-        js = nc.jetstream()
-        if not self.push:
-            sub = await js.pull_subscribe_bind(self.name, STREAM)
-            return lambda n, wait: sub.fetch(n, timeout=wait)
-        push = await js.subscribe_bind(STREAM, self.config(), self.name, manual_ack=True)
-
-        async def one(_: int, wait: float) -> list[Any]:
-            return [await push.next_msg(timeout=wait)]
-
-        return one
-
-
-APPS = [
-    App("all-in-order", [], "in-order"),
-    App("all-reversed", [], "reversed"),
-    App("all-late", [], "late"),
-    App("zero", ["cons.0"], "in-order"),
-    App("one-reversed", ["cons.1"], "reversed"),
-    App("two-late", ["cons.2"], "late"),
-    App("three-pushed", ["cons.3"], "in-order", push=True),
-    App("zero-one", ["cons.0", "cons.1"], "reversed"),
-    App("two-three-late", ["cons.2", "cons.3"], "late"),
-    App("slow", [], "in-order"),
-]
-
-
-async def consume(nc: Any, app: App, stop: threading.Event) -> None:
-    """Take and acknowledge (each ack confirmed by the server) until `stop` or the server dies."""
-    take = await app.bind(nc)
-    seen: set[str] = set()
-    while not stop.is_set():
-        try:
-            msgs = await take(20 if app.name != "slow" else 2, 1.0)
-        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
-            continue
-        except Exception:  # nyc died
-            return
-        if app.how == "reversed":
-            msgs = msgs[::-1]
-        for m in msgs:
-            mid = m.headers["Nats-Msg-Id"]
-            if app.how == "late" and hash(mid) % 5 == 0 and mid not in seen:
-                seen.add(mid)  # left pending: delivered again after ack_wait, acknowledged then
-                continue
-            try:
-                await m.ack_sync(timeout=2)
-            except Exception:
-                app.unsure.add(mid)
-                return
-            app.acked[mid] = time.time()
-        if app.name == "slow":
-            await asyncio.sleep(0.2)
-
-
-async def drain(nc: Any, app: App) -> list[str]:
-    """Everything the application's durable delivers until it has nothing more for 1 s (3 s for a
-    push consumer: what it pushed before the subscription came is pushed again after its 2 s
-    ack wait), each acknowledged (confirmed)."""
-    take, got = await app.bind(nc), []
-    while True:
-        try:
-            msgs = await take(500, 3.0 if app.push else 1.0)
-        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either
-            return got
-        for m in msgs:
-            got.append(m.headers["Nats-Msg-Id"])
-            await m.ack_sync(timeout=5)
-
-
-def judged(app: App, held: list[dict[str, Any]], got: list[str], done: set[str], allowed: int) -> dict[str, int]:
-    """Nothing of `held` the application has not acknowledged (`done`) is missing from `got`, and
-    at most `allowed` of the messages it had acknowledged come again (counted once each: a message
-    the new site delivers twice, its ack wait passed on a busy machine, is that site's own
-    redelivery, not the failover's)."""
-    mine = {r["msg_id"] for r in held if not app.filters or r["subject"] in app.filters}
-    skipped = mine - done - app.unsure - set(got)
-    assert not skipped, f"{app.name}: {len(skipped)} messages it had not acknowledged never came"
-    again = set(got) & done
-    assert len(again) <= allowed, (app.name, len(again), allowed)
-    return {"got": len(got), "again": len(again), "allowed": allowed}
-
-
-def test_durable_consumers_fail_over_and_back_where_they_were(sites: Any, topology: Path, tmp_path: Path) -> None:
-    topo = load_topology(topology)
-    define(topology, STREAM)
-    nyc = sites.proc("nyc-1")
-
-    async def make() -> None:
-        async with bnats.session(topo.nats("nyc")) as nc:
-            for app in APPS:
-                await nc.jsm().add_consumer(STREAM, app.config())
-
-    asyncio.run(make())
-    relay = Relay(topology, tmp_path, "nyc", "sfo", "--consumer-interval", "1")
-    stop_apps = threading.Event()
-
-    async def run_apps() -> None:
-        async with bnats.session(topo.nats("nyc")) as nc:
-            await asyncio.gather(*(consume(nc, app, stop_apps) for app in APPS))
-
-    async def drained(site: str) -> dict[str, list[str]]:
-        async with bnats.session(topo.nats(site)) as nc:
-            got = await asyncio.gather(*(drain(nc, app) for app in APPS))
-            return {app.name: g for app, g in zip(APPS, got, strict=True)}
-
-    failed_back = False
-    try:
-        relay.event("relaying")
-        producers = load(topology, "nyc", "cons.{n}", tmp_path / "ledger", 400, None)
-        wait_for(lambda: stream_count(topo, "sfo", STREAM) > 1000, 60, "relaying")
-        apps = threading.Thread(target=lambda: asyncio.run(run_apps()), daemon=True)
-        apps.start()
-        time.sleep(5.0)  # consuming at nyc, the relay checkpointing every second
-        rows = json.loads(ferry("replicate", "status", "--json", topology=topology, check=True).stdout)
-        (row,) = [r for r in rows if (r["source"], r["dest"]) == ("nyc", "sfo")]
-        shown = {c["consumer"]: c for c in row["consumers"] if c["stream"] == STREAM}
-        # a checkpoint every second, slower on two busy cores (CI saw ages past 5 s)
-        assert set(shown) == {a.name for a in APPS} and all(c["age_s"] < 20 for c in shown.values()), shown
-        assert "delivers from (dest)" in ferry("replicate", "status", topology=topology, check=True).stdout
-        nyc.signal(signal.SIGKILL)  # the site fails mid-stream, its applications with it
-        wait_for(lambda: not nyc.alive(), 10, "nyc to die")
-        killed_at = time.time()
-        stop_apps.set()
-        apps.join(timeout=30)
-        producers.send_signal(signal.SIGTERM)
-        finished(producers)
-
-        fo = json.loads(ferry("site", "failover", "--to", "sfo", "--json", topology=topology, check=True).stdout)
-        rows = {r["consumer"]: r for r in fo["failover"]["consumers"]}
-        assert set(rows) == {a.name for a in APPS}, rows
-        assert all(r["checkpoint_at"] > killed_at - 20.0 for r in rows.values()), rows  # (every second, unloaded)
-        held = asyncio.run(read_stream(topo, "sfo", STREAM))
-        delivered, report = asyncio.run(drained("sfo")), {}
-        for app in APPS:
-            row = rows[app.name]
-            after_checkpoint = sum(1 for t in app.acked.values() if t >= row["checkpoint_at"] - 0.05)
-            allowed = row["redelivered_at_least"] + after_checkpoint
-            report[app.name] = judged(app, held, delivered[app.name], set(app.acked), allowed)
-            app.acked_sfo, app.checkpoint_at = set(delivered[app.name]), row["checkpoint_at"]
-        assert sum(len(a.acked) for a in APPS) > 2000, report
-        print(f"consumers at sfo: {json.dumps(report)}")
-
-        finished(load(topology, "sfo", "cons.{n}", tmp_path / "ledger-sfo", 400, 3))  # not consumed at sfo
-        nyc.start()
-        sites.save()
-        wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
-        fb = json.loads(ferry("site", "failback", "--to", "nyc", "--json", topology=topology, check=True).stdout)
-        failed_back = True
-        rows = {r["consumer"]: r for r in fb["streams"][STREAM]["consumers"]}
-        assert set(rows) == {a.name for a in APPS}, rows
-        held = asyncio.run(read_stream(topo, "nyc", STREAM))
-        delivered, report = asyncio.run(drained("nyc")), {}
-        for app in APPS:
-            done = set(app.acked) | app.acked_sfo
-            # and again what it acknowledged at nyc after the failover's checkpoint, as announced then
-            since = sum(1 for t in app.acked.values() if t >= app.checkpoint_at - 0.05)
-            allowed = rows[app.name]["redelivered_at_least"] + since
-            report[app.name] = judged(app, held, delivered[app.name], done, allowed)
-        assert all(r["got"] >= 1 for r in report.values()), report  # what sfo took meanwhile, at least
-        print(f"consumers at nyc: {json.dumps(report)}")
-    finally:
-        stop_apps.set()
-        relay.close()
-        if not nyc.alive():
-            nyc.start()
-            sites.save()
-            wait_for(lambda: sites.health().get("nyc-1") == "ok", 30, "nyc to answer again")
-        if not failed_back:  # the other tests of the lab expect nyc primary
-            ferry("site", "failback", "--to", "nyc", topology=topology)
 
 
 def test_copies_follow_their_consumers_through_a_relay_killed_and_never_cycle(topology: Path, tmp_path: Path) -> None:
@@ -393,6 +184,34 @@ def test_a_work_queue_stream_is_refused_and_nothing_changes(topology: Path) -> N
             return "JOBS" in [s.config.name for s in await nc.jsm().streams_info()]
 
     assert not asyncio.run(at_sfo()), "JOBS was created at sfo"
+
+
+def test_a_checkpoint_leaves_a_copy_a_failover_resumed_alone(topology: Path) -> None:
+    """A relay frozen through a failover wakes up in the middle of a checkpoint: the copy the
+    failover resumed is the applications' now, and the checkpoint leaves it where they stand
+    (moving it back to the source's stale position delivered thousands of messages again)."""
+    topo = load_topology(topology)
+    stream = "RESUMED"
+    for site in ("nyc", "sfo"):
+        asyncio.run(make_stream(topo, site, stream, ["resumed.>"], replicas=1))
+
+    async def go() -> tuple[str | None, str | None, Any]:
+        async with bnats.session(topo.nats("nyc")) as src, bnats.session(topo.nats("sfo")) as dest:
+            for nc in (src, dest):
+                for i in range(10):
+                    await nc.jetstream().publish("resumed.x", str(i).encode())
+            await src.jsm().add_consumer(stream, ConsumerConfig(durable_name="app", ack_policy=AckPolicy.EXPLICIT))
+            (p,) = await consumers.positions(src, [stream])
+            jsm = dest.jsm()
+            made = await consumers.place(jsm, stream, p, 3, "nyc")
+            await jsm.resume_consumer(stream, "app")  # the failover: the applications come to sfo
+            await jsm.reset_consumer(stream, "app", 8)  # and consume there
+            again = await consumers.place(jsm, stream, p, 3, "nyc")  # the frozen relay's checkpoint
+            return made, again, await jsm.consumer_info(stream, "app")
+
+    made, again, info = asyncio.run(go())
+    assert made is None and again == f"its copy in {stream} delivers (a failover resumed it)", (made, again)
+    assert not info.paused and info.delivered.stream_seq == 7, info  # delivers from 8, as the applications left it
 
 
 def test_a_floor_translates_among_foreign_local_and_deleted_messages(topology: Path) -> None:

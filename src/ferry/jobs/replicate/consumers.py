@@ -199,20 +199,24 @@ def copy_config(p: Position, origin: str, subject_prefix: str = "") -> ConsumerC
 
 async def place(
     jsm: Any, dest_stream: str, p: Position, seq: int, origin: str, subject_prefix: str = "", configure: bool = True
-) -> bool:
+) -> str | None:
     """Create the copy of `p` in `dest_stream` (or update it: `configure`), positioned so that it
-    delivers from destination sequence `seq` on; False, changing nothing, where an application's
-    own consumer of that name is."""
+    delivers from destination sequence `seq` on. Where it leaves the consumer of that name alone,
+    changing nothing, it says why: an application's own consumer, or a copy a failover resumed
+    (the applications' now: a relay frozen through the failover wakes up still checkpointing, and
+    would move it back to where they stood before)."""
     try:
         have = await jsm.consumer_info(dest_stream, p.name)
     except NotFoundError:
         have = None
     if have and not copied(have.config):
-        return False
+        return f"{dest_stream} has a consumer {p.name} of its own"
+    if have and not have.paused:
+        return f"its copy in {dest_stream} delivers (a failover resumed it)"
     if configure or have is None:
         await jsm.add_consumer(dest_stream, copy_config(p, origin, subject_prefix))
     await jsm.reset_consumer(dest_stream, p.name, seq)
-    return True
+    return None
 
 
 async def prune(jsm: Any, dest_stream: str, origin: str, origin_stream: str, keep: set[str]) -> list[str]:
@@ -261,10 +265,10 @@ class Checkpointer:
             if before != (p.ack_floor, seq, shape):
                 configure = not before or before[2] != shape  # else only its position changes
                 try:
-                    if await place(jsm, target, p, seq, self.source, self.subject_prefix, configure):
-                        self.placed[key] = (p.ack_floor, seq, shape)
+                    if why := await place(jsm, target, p, seq, self.source, self.subject_prefix, configure):
+                        row["refused"] = why
                     else:
-                        row["refused"] = f"{target} has a consumer {p.name} of its own"
+                        self.placed[key] = (p.ack_floor, seq, shape)
                 except APIError as exc:  # this consumer only: the others' checkpoints go on
                     row["refused"] = f"{target} refused the copy: {exc.description}"
             rows.append(row)
