@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ferry.brokers.nats.jsapi import Server, ts_ns
-from ferry.headers import REINJECTED
+from ferry.headers import REINJECTED, encode_headers
 from ferry.jobs.move import run as move_run
 from ferry.jobs.move.plan import destination_refusal, handoff_candidate
 from ferry.jobs.move.verify import verify
@@ -24,7 +24,7 @@ def captured(rows: list[tuple[str, dict[str, str] | None, bytes]]) -> pa.Table:
         {
             "recv_ns": list(range(len(rows))),
             "subject": [r[0] for r in rows],
-            "headers": [list(r[1].items()) if r[1] else None for r in rows],
+            "header_block": [encode_headers(r[1]) if r[1] else None for r in rows],
             "payload": [r[2] for r in rows],
             "identity": [identity(*r) for r in rows],
         },
@@ -331,3 +331,21 @@ def test_a_leader_that_died_is_said_once_with_what_its_death_cost() -> None:
     assert "deaf 2.5s" in said["guarded"]
     (said,) = move_run._leaders_lost(changes, None, lambda e, **d: None)
     assert said["guard_on"] is None and said["guarded"].startswith("nothing")
+
+
+def test_an_older_ferrys_capture_is_read_with_its_headers_and_identities(tmp_path: Path) -> None:
+    """Captures written before the header block was kept as it came (pairs; before that, no
+    identity) read as this ferry's: a move resumed after an upgrade re-publishes them alike."""
+    pairs = pa.map_(pa.string(), pa.string())
+    rows = {"recv_ns": [1, 2], "subject": ["a", "b"], "headers": [[("Nats-Msg-Id", "x"), ("k", "v")], None]}
+    rows |= {"payload": [b"1", b"2"]}
+    older = pa.schema([("recv_ns", pa.int64()), ("subject", pa.string()), ("headers", pairs), ("payload", pa.binary())])
+    with pa.ipc.new_stream(tmp_path / "capture-1-1.arrow", older) as w:
+        w.write_table(pa.Table.from_pydict(rows, schema=older))
+    old = older.append(pa.field("identity", pa.string()))
+    with pa.ipc.new_stream(tmp_path / "capture-2-2.arrow", old) as w:
+        w.write_table(pa.Table.from_pydict({**rows, "recv_ns": [3, 4], "identity": ["id:x", "c:2"]}, schema=old))
+    got = read_captures(tmp_path)
+    assert got.schema == CAPTURE_SCHEMA
+    assert got["identity"].to_pylist() == ["id:x", identity("b", None, b"2"), "id:x", "c:2"]
+    assert got["header_block"].to_pylist() == [b"NATS/1.0\r\nNats-Msg-Id: x\r\nk: v\r\n\r\n", None] * 2
