@@ -67,6 +67,8 @@ CAPTURE_SCHEMA = pa.schema(
 
 # -- capture guard --------------------------------------------------------------------------------
 
+GATHER = 0.005  # seconds the guard lets a trickle of messages gather between reads (Wire.gather)
+
 
 def identity(subject: str, headers: dict[str, str] | None, payload: bytes) -> str:
     """A message's identity: its Nats-Msg-Id, else a digest of subject, headers and payload.
@@ -160,6 +162,7 @@ class Guard:
         self._writer = pa.ipc.new_stream(self._sink, CAPTURE_SCHEMA)
         try:
             self._conn = await Wire.open(self.cluster, client_name="ferry-guard", avoid=avoid)
+            self._conn.gather = GATHER
             self.server = self._conn.server_name
             subscribed = time.monotonic()
             for s in self.subjects:
