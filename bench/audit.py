@@ -122,7 +122,13 @@ def measure(engine: str, root: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"{engine} failed")
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "wall": time.monotonic() - t0, "peak_rss": peak.peak, "cpu": peak.cpu}
+    return {
+        **result,
+        "wall": time.monotonic() - t0,
+        "peak_rss": peak.peak,
+        "cpu": peak.cpu,
+        "cpu_by_role": peak.cpu_by_role,
+    }
 
 
 def main() -> None:
