@@ -113,14 +113,16 @@ def test_queues_copied_between_clusters_over_tls_arrive_once(secure_rabbit_dr: l
 
 
 @pytest.mark.spark
-@pytest.mark.connect  # seven ferry commands: their Spark jobs on the suite's Connect server, not a JVM each
+@pytest.mark.connect  # four ferry commands: their Spark jobs on the suite's Connect server, not a JVM each
 def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     secure_supercluster: lab.LabState, secure_rabbit_dr: lab.LabState, tmp_path: Path
 ) -> None:
-    """JetStream (operator mode, TLS) into RabbitMQ (TLS), the queue into Parquet (a snapshot, and
-    the audit) and back into JetStream, the stream into Parquet and that into another queue: every
-    direction of copy between the brokers over TLS, each counted by id (Parquet into a stream:
-    test_copy's backup restored)."""
+    """JetStream (operator mode, TLS) into RabbitMQ (TLS), the queue into Parquet (a snapshot, which
+    leaves it as it was) and into JetStream again: the RabbitMQ side of every copy over TLS, each
+    counted by id (JetStream to Parquet over TLS: test_secure.py of NATS; Parquet into a queue
+    touches no broker's TLS but the queue's)."""
+    import pyarrow.parquet as pq
+
     topology = secure_rabbit_dr.path.parent / "topology.yaml"  # both secure profiles
     topo = load_topology(topology)
     asyncio.run(make_stream(topo, "east", "SECURE_TO_Q", ["secure_to_q.>"], placement="east"))
@@ -128,30 +130,20 @@ def test_a_stream_goes_into_a_queue_and_a_snapshot_over_tls(
     r = ferry("load", "jetstream://east", "--subject", "secure_to_q.{n}", "--count", "3000", "--ledger",
               str(tmp_path / "ledger"), topology=topology)  # fmt: skip
     assert r.returncode == 0, r.stderr
+    sent = acked_ids(tmp_path / "ledger")
     r = ferry("copy", "jetstream://east/SECURE_TO_Q", "rabbitmq://ltm/%2F/from-js", "--json", topology=topology)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["stored"] == 3000
     snap = ferry("snapshot", "rabbitmq://ltm/%2F/from-js", "--out", str(tmp_path / "snap"), topology=topology)
     assert snap.returncode == 0, snap.stderr[-2000:]
-    # in tmp_path: the audit writes its report where it runs
-    audit = ferry("audit", "--ledger", str(tmp_path / "ledger"), "--tier", f"q={tmp_path / 'snap'}", "--json",
-                  topology=topology, cwd=tmp_path)  # fmt: skip
-    assert audit.returncode == 0, audit.stderr[-2000:]
-    t = json.loads(audit.stdout)["tiers"]["q"]
-    assert t["tier_messages"] == 3000 and t["lost"] == t["extra_copies"] == t["unexpected"] == 0, t
-    sent = acked_ids(tmp_path / "ledger")
+    snapped = pq.read_table(tmp_path / "snap", columns=["msg_id"])["msg_id"].to_pylist()
+    assert len(snapped) == len(set(snapped)) == 3000 and set(snapped) == sent
     asyncio.run(make_stream(topo, "east", "SECURE_FROM_Q", ["from_q.>"], placement="east"))
-    for src, dst, *extra in (
-        ("rabbitmq://ltm/%2F/from-js", "jetstream://east/SECURE_FROM_Q", "--subject-prefix", "from_q."),
-        ("jetstream://east/SECURE_TO_Q", f"parquet://{tmp_path / 'backup'}"),
-        (f"parquet://{tmp_path / 'backup'}", "rabbitmq://pc1/%2F/from-parquet", "--create"),
-    ):
-        r = ferry("copy", src, dst, *extra, "--json", topology=topology)
-        assert r.returncode == 0 and json.loads(r.stdout)["stored"] == 3000, (src, dst, r.stderr[-2000:])
+    r = ferry("copy", "rabbitmq://ltm/%2F/from-js", "jetstream://east/SECURE_FROM_Q", "--subject-prefix", "from_q.",
+              "--json", topology=topology)  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["stored"] == 3000, r.stderr[-2000:]
     from_q = [r["msg_id"] for r in asyncio.run(read_stream(topo, "east", "SECURE_FROM_Q"))]
     assert len(from_q) == len(set(from_q)) == 3000 and set(from_q) == sent
-    from_parquet = held_ids(topology, "pc1", "from-parquet")
-    assert len(from_parquet) == len(set(from_parquet)) == 3000 and set(from_parquet) == sent
 
 
 BAD = {
