@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,21 @@ def test_the_jvm_writes_to_the_spark_log_and_other_threads_to_stderr(tmp_path: P
     )
     # none of this process's own lines (a worker's traceback at exit, "line 95, in worker", may be there)
     assert "Setting default log level" in log and not {f"line {i}" for i in range(400)} & set(log.splitlines())
+
+
+def test_no_task_begins_once_ctrl_c_came(spark: Any) -> None:
+    """A Ctrl-C that lands once the session is made but before a job begins: cancelling stops only
+    running jobs, so the data plane's tasks must not begin at all (the fail-back's mover)."""
+    import pyarrow as pa
+
+    from ferry.spark import session, tasks
+
+    schema = pa.schema([("i", pa.int64())])
+    assert tasks.per_task(spark, 2, lambda i: {"i": i}, schema) == [{"i": 0}, {"i": 1}]
+    session.interrupt()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tasks.per_task(spark, 2, lambda i: {"i": i}, schema)
+    finally:
+        session.clear_interrupt()
+    assert tasks.per_task(spark, 1, lambda i: {"i": i}, schema) == [{"i": 0}]

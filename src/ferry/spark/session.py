@@ -243,8 +243,7 @@ def get_session(
         ) from None
     if remote:
         _remote_sessions.append(spark)
-    if _interrupted.is_set():  # Ctrl-C came while the JVM started: no job begins
-        raise KeyboardInterrupt
+    no_job_after_interrupt()  # Ctrl-C came while the JVM started
     where = {"remote": redact(remote)} if remote else {"master": master or "local[*]"}
     info: dict[str, Any] = {"app_name": app_name, **where}
     if not local and python_tasks:
@@ -272,6 +271,13 @@ def factory(
     """A job's way to its Spark session, made where the user said (``--spark-master``,
     ``--spark-remote``) and started only if the job needs it: ``factory(...)()``."""
     return functools.partial(get_session, master, remote, app_name, **options)
+
+
+def no_job_after_interrupt() -> None:
+    """KeyboardInterrupt once Ctrl-C came (:func:`interrupt`): said before a job begins, since
+    cancelling stops only the jobs that run (one begun right after went to its end)."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 def clear_interrupt() -> None:

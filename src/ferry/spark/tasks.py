@@ -66,7 +66,11 @@ def run_moves(spark: Any, tasks: list[MoveTask]) -> list[MoveResult]:
 
 
 def per_task(spark: Any, n: int, fn: Callable[[int], dict[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
-    """fn(0), ..., fn(n - 1), each in a Spark task of its own: the rows (of `schema`) they return."""
+    """fn(0), ..., fn(n - 1), each in a Spark task of its own: the rows (of `schema`) they return.
+    None begins once Ctrl-C came."""
+    from ferry.spark.session import no_job_after_interrupt
+
+    no_job_after_interrupt()
     fn = executor_task(fn)
     if is_connect(spark):  # Spark Connect has no RDDs
         from pyspark.sql.pandas.types import from_arrow_schema
