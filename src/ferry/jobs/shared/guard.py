@@ -224,7 +224,7 @@ class Guard:
 
     def _on_msg(self, m: WireMsg) -> None:
         """Every message heard, at the rate producers publish: its header block is kept as it came
-        (parsing it, and Arrow's map of the pairs, took half the guard's time)."""
+        (parsing it, and Arrow's map of the pairs, took a seventh of the guard's CPU)."""
         raw = m.raw
         if raw is not None and b"Ferry-Reinjected" in raw:
             return  # a copy ferry re-published (acked, with retries): never a message to guard twice
