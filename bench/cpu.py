@@ -273,6 +273,9 @@ def main() -> None:
     if args.role:
         {"guard": role_guard, "read-back": role_read_back}[args.role[0]](Path(args.role[1]))
         return
+    spy = Path(sys.executable).with_name("py-spy")
+    if args.profile and not spy.exists():
+        raise SystemExit(f"--profile needs py-spy beside this Python: {spy.parent}/pip install py-spy")
     only = set(args.only.split(","))
     if unknown := only - set(JOBS):
         raise SystemExit(f"--only: unknown job(s) {', '.join(sorted(unknown))} (known: {', '.join(JOBS)})")
