@@ -101,7 +101,8 @@ class PeakRss:
             out[r] = out.get(r, 0.0) + v - self._base.get(pid, 0.0)
         return out
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        """Sample now (as the thread does every 100 ms): a caller's mark between two readings."""
         pids = tree(self.root) if self.root else (self.pids or [])
         self.peak = max(self.peak, rss_bytes(pids))
         for pid in pids:
@@ -112,7 +113,7 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            self._sample()
+            self.sample()
 
     def __enter__(self) -> PeakRss:
         self._thread.start()
@@ -122,7 +123,7 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         if self.pids:
-            self._sample()
+            self.sample()
 
 
 def run_ferry(args: list[str], topology: Path) -> dict[str, Any]:

@@ -50,10 +50,11 @@ ROLES = ("driver", "jvm", "python workers", "other")
 JOBS = ("copy-jetstream", "copy-rabbitmq", "relay", "guard", "audit")
 TARGETS = {"copy-jetstream": 1.5, "copy-rabbitmq": 1.0, "relay": 2.0, "audit": 2.5}
 GUARD_TARGET_US = 3.0
+PY_SPY = Path(sys.executable).with_name("py-spy")  # --profile's
 
 
 def row(job: str, who: str, messages: int, roles: dict[str, float], brokers: float, **extra: Any) -> dict[str, Any]:
-    """CPU seconds by role over `messages`; an anchor has no client (`roles` empty)."""
+    """CPU seconds by role over `messages`; a mover inside the brokers has no client (`roles` empty)."""
     return {"job": job, "who": who, "messages": messages, "roles": roles, "brokers": brokers, **extra}
 
 
@@ -113,7 +114,7 @@ def _middle(
             time.sleep(0.02)
         for tracker in (brokers, client):
             if tracker:
-                tracker._sample()
+                tracker.sample()
         marks.append((held, dict(client.cpu_by_role) if client else {}, brokers.cpu))
     (n0, roles0, b0), (n1, roles1, b1) = marks
     return n1 - n0, {k: v - roles0.get(k, 0.0) for k, v in roles1.items()}, b1 - b0
@@ -135,7 +136,7 @@ def guard_rows(root: Path, n: int, rate: int = 10_000, profile: Path | None = No
             if not profile:
                 return [*me, role, str(work)]
             profile.mkdir(parents=True, exist_ok=True)
-            spy = [str(Path(sys.executable).with_name("py-spy")), "record", "-r", "250", "-f", "raw", "--gil"]
+            spy = [str(PY_SPY), "record", "-r", "250", "-f", "raw", "--gil"]
             return [*spy, "-o", str(profile / f"{role}.txt"), "--", *me, role, str(work)]
 
         guard = subprocess.Popen(spied("guard"), env=env, stdout=subprocess.PIPE, text=True)
@@ -273,9 +274,8 @@ def main() -> None:
     if args.role:
         {"guard": role_guard, "read-back": role_read_back}[args.role[0]](Path(args.role[1]))
         return
-    spy = Path(sys.executable).with_name("py-spy")
-    if args.profile and not spy.exists():
-        raise SystemExit(f"--profile needs py-spy beside this Python: {spy.parent}/pip install py-spy")
+    if args.profile and not PY_SPY.exists():
+        raise SystemExit(f"--profile needs py-spy beside this Python: {PY_SPY.parent}/pip install py-spy")
     only = set(args.only.split(","))
     if unknown := only - set(JOBS):
         raise SystemExit(f"--only: unknown job(s) {', '.join(sorted(unknown))} (known: {', '.join(JOBS)})")

@@ -18,6 +18,7 @@ import pyarrow as pa
 from ferry.brokers.rabbitmq.queue_io import MoveResult, MoveTask, move_queue
 from ferry.schema import BACKUP_RECORD
 from ferry.spark.options import executor_task, per_index
+from ferry.spark.session import no_job_after_interrupt
 
 _MOVE_SCHEMA = pa.schema(
     [("vhost", pa.string()), ("queue", pa.string())]
@@ -68,8 +69,6 @@ def run_moves(spark: Any, tasks: list[MoveTask]) -> list[MoveResult]:
 def per_task(spark: Any, n: int, fn: Callable[[int], dict[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
     """fn(0), ..., fn(n - 1), each in a Spark task of its own: the rows (of `schema`) they return.
     None begins once Ctrl-C came."""
-    from ferry.spark.session import no_job_after_interrupt
-
     no_job_after_interrupt()
     fn = executor_task(fn)
     if is_connect(spark):  # Spark Connect has no RDDs
